@@ -1,0 +1,1 @@
+"""ONNX Runtime on CPU: the embedded default backend."""

@@ -1,0 +1,249 @@
+"""The ``quantkit`` command line: thin Click commands over the stage functions.
+
+Errors are turned into messages and exit codes in exactly one place,
+:meth:`QuantkitGroup.main`: a :class:`~quantkit.errors.QuantkitError` prints one
+line and exits with its code (2 usage/config, 1 runtime, 3 failed gate); any other
+exception is an internal error (exit 1). ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from quantkit import __version__
+from quantkit.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, QuantkitError
+from quantkit.ui import Console
+
+EXIT_CODES_HELP = "Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 3 a bench gate failed, 130 interrupted."
+
+
+@dataclass
+class Settings:
+    workdir: Path
+    console: Console
+    debug: bool
+
+
+class QuantkitGroup(click.Group):
+    """A Click group that maps exceptions to one-line messages and exit codes."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D401
+        argv = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in argv
+        try:
+            super().main(args=argv, prog_name=prog_name or "quantkit", complete_var=complete_var,
+                         standalone_mode=False, **extra)
+            code = 0
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except click.ClickException as exc:
+            exc.show()
+            code = exc.exit_code
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            click.echo("interrupted: no artifact was left half-written", err=True)
+            code = EXIT_INTERRUPTED
+        except QuantkitError as exc:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"error: {exc}", err=True)
+            code = exc.exit_code
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback for users
+            if debug:
+                traceback.print_exc()
+            message = str(exc).splitlines()[0] if str(exc) else ""
+            click.echo(f"internal error: {type(exc).__name__}: {message} (rerun with --debug for the traceback)",
+                       err=True)
+            code = EXIT_RUNTIME
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(cls=QuantkitGroup, context_settings=CONTEXT_SETTINGS, epilog=EXIT_CODES_HELP)
+@click.version_option(__version__, "--version", prog_name="quantkit")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), envvar="QUANTKIT_WORKDIR",
+              default=Path("artifacts"), show_default=True, show_envvar=True,
+              help="Where artifacts go: <workdir>/<model name>/.")
+@click.option("-v", "--verbose", count=True, help="More detail (repeatable).")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors and warnings.")
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.pass_context
+def cli(ctx: click.Context, workdir: Path, verbose: int, quiet: bool, debug: bool) -> None:
+    """quantkit: PyTorch -> ONNX -> calibrated INT8 -> benchmark, from one YAML config.
+
+    \b
+    Stages (each reads the previous stage's artifacts):
+      export        PyTorch/ONNX -> model.onnx (+ parity check)
+      calibrate     model.onnx + data -> calib.cache, calib.json
+      build-engine  -> model.int8.onnx (CPU) or model.engine (TensorRT), build.json
+      bench         FP32 vs INT8 latency, throughput, accuracy, gates
+      run           all four; skips stages whose inputs did not change
+
+    \b
+    Example:
+      quantkit run configs/digits_cnn.yaml
+    """
+    if verbose and quiet:
+        raise click.UsageError("-v and -q exclude each other")
+    ctx.obj = Settings(workdir=workdir, console=Console(verbosity=-1 if quiet else verbose), debug=debug)
+
+
+config_argument = click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+json_option = click.option("--json", "json_out", is_flag=True, help="Print the result as JSON on stdout.")
+
+
+def _settings(ctx: click.Context, json_out: bool = False) -> Settings:
+    settings: Settings = ctx.obj
+    settings.console.json_mode = json_out
+    return settings
+
+
+def _load(config: Path, overrides: dict[str, Any] | None = None):
+    from quantkit.config import load_config
+
+    return load_config(config, overrides)
+
+
+def _workspace(settings: Settings, cfg):
+    from quantkit.artifacts import ModelWorkspace
+
+    return ModelWorkspace(settings.workdir, cfg.name)
+
+
+def _emit_json(payload: Any) -> None:
+    click.echo(json.dumps(payload, indent=2, sort_keys=True, default=str))
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@config_argument
+@json_option
+@click.pass_context
+def validate(ctx: click.Context, config: Path, json_out: bool) -> None:
+    """Validate CONFIG and print the merged config (defaults filled in).
+
+    \b
+    Example:
+      quantkit validate configs/resnet18.yaml
+    """
+    from quantkit.config import ConfigError, dump_config
+
+    settings = _settings(ctx, json_out)
+    try:
+        cfg = _load(config)
+    except ConfigError as exc:
+        for line in getattr(exc, "all_messages", [])[1:]:
+            click.echo(f"error: {line}", err=True)
+        raise
+    if json_out:
+        _emit_json(cfg.model_dump(mode="json"))
+    else:
+        settings.console.result(dump_config(cfg).rstrip())
+        settings.console.info(f"{config}: valid")
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@config_argument
+@click.option("--opset", type=int, help="Override export.opset.")
+@click.option("--no-simplify", is_flag=True, help="Skip onnxslim simplification.")
+@json_option
+@click.pass_context
+def export(ctx: click.Context, config: Path, opset: int | None, no_simplify: bool, json_out: bool) -> None:
+    """Export the model of CONFIG to <workdir>/<name>/model.onnx and check parity.
+
+    \b
+    Example:
+      quantkit export configs/digits_cnn.yaml
+    """
+    from quantkit import export as export_stage
+    settings = _settings(ctx, json_out)
+    cfg = _load(config, {"export.opset": opset, "export.simplify": False if no_simplify else None})
+    result = export_stage.export_model(cfg, _workspace(settings, cfg), settings.console)
+    if json_out:
+        _emit_json(result.to_json())
+    else:
+        settings.console.result(export_stage.describe(result))
+        settings.console.info(f"next: quantkit calibrate {config}")
+
+
+def _refuse(name: str):
+    from quantkit.pipeline import stage
+
+    stage(name).execute()
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@config_argument
+@click.pass_context
+def calibrate(ctx: click.Context, config: Path) -> None:
+    """Compute INT8 ranges for CONFIG's model: calib.cache + calib.json.
+
+    \b
+    Example:
+      quantkit calibrate configs/digits_cnn.yaml
+    """
+    _load(config)
+    _refuse("calibrate")
+
+
+@cli.command("build-engine", context_settings=CONTEXT_SETTINGS)
+@config_argument
+@click.pass_context
+def build_engine(ctx: click.Context, config: Path) -> None:
+    """Build the INT8 artifact for CONFIG.
+
+    \b
+    Example:
+      quantkit build-engine configs/digits_cnn.yaml
+    """
+    _load(config)
+    _refuse("build-engine")
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@config_argument
+@click.pass_context
+def bench(ctx: click.Context, config: Path) -> None:
+    """Benchmark FP32 against INT8 for CONFIG.
+
+    \b
+    Example:
+      quantkit bench configs/digits_cnn.yaml
+    """
+    _load(config)
+    _refuse("bench")
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@config_argument
+@click.option("--force", is_flag=True, help="Rerun every stage even if its inputs did not change.")
+@json_option
+@click.pass_context
+def run(ctx: click.Context, config: Path, force: bool, json_out: bool) -> None:
+    """Run export, calibrate, build-engine and bench in order, skipping unchanged stages.
+
+    \b
+    Example:
+      quantkit run configs/digits_cnn.yaml
+    """
+    from quantkit.pipeline import run_pipeline
+
+    settings = _settings(ctx, json_out)
+    cfg = _load(config)
+    outcomes = run_pipeline(cfg, _workspace(settings, cfg), settings.console, force=force)
+    if json_out:
+        _emit_json([vars(o) for o in outcomes])
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli.main(prog_name="quantkit")

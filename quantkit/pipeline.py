@@ -1,0 +1,95 @@
+"""The pipeline's stages in order, as a table that ``quantkit run`` walks.
+
+Each stage knows its manifest, how to fingerprint its inputs (cheaply, without
+running anything heavy) and how to execute. ``run`` skips a stage whose manifest
+fingerprint still matches and whose outputs are intact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from quantkit.artifacts import ModelWorkspace
+from quantkit.config import Config
+from quantkit.errors import NotAvailableError
+from quantkit.ui import Console
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage.
+
+    Attributes:
+        name: the CLI command name.
+        manifest: the JSON file (in the model's artifact dir) recording what produced the outputs.
+        fingerprint: cfg, ws -> everything the outputs depend on.
+        execute: cfg, ws, console -> a result object.
+        describe: result -> one summary line.
+    """
+
+    name: str
+    manifest: str
+    fingerprint: Callable[[Config, ModelWorkspace], dict[str, Any]]
+    execute: Callable[[Config, ModelWorkspace, Console], Any]
+    describe: Callable[[Any], str]
+
+
+def _export_stage() -> Stage:
+    from quantkit import export
+
+    return Stage(
+        name="export",
+        manifest=export.MANIFEST,
+        fingerprint=lambda cfg, ws: export.export_fingerprint(cfg),
+        execute=export.export_model,
+        describe=export.describe,
+    )
+
+
+def _not_yet(name: str, issue: str) -> Stage:
+    def refuse(*_args: Any) -> Any:
+        raise NotAvailableError(f"'quantkit {name}' is not available in this version of quantkit ({issue})")
+
+    return Stage(name=name, manifest=f"{name}.json", fingerprint=lambda cfg, ws: {}, execute=refuse,
+                 describe=str)
+
+
+def stages() -> list[Stage]:
+    """The stages in pipeline order."""
+    return [
+        _export_stage(),
+        _not_yet("calibrate", "calibration engine: not built yet"),
+        _not_yet("build-engine", "INT8 build: not built yet"),
+        _not_yet("bench", "benchmark: not built yet"),
+    ]
+
+
+def stage(name: str) -> Stage:
+    return next(s for s in stages() if s.name == name)
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    skipped: bool
+    reason: str
+    summary: str
+
+
+def run_pipeline(cfg: Config, ws: ModelWorkspace, console: Console, force: bool = False) -> list[StageOutcome]:
+    """Run every stage in order, skipping those whose inputs did not change."""
+    outcomes = []
+    for step in stages():
+        fingerprint = step.fingerprint(cfg, ws)
+        reason = ws.staleness(step.manifest, fingerprint) if fingerprint else "not recorded"
+        if reason is None and not force:
+            console.info(f"[{step.name}] up to date, skipped")
+            outcomes.append(StageOutcome(step.name, True, "up to date", ""))
+            continue
+        console.info(f"[{step.name}] running ({'forced' if force else reason})")
+        result = step.execute(cfg, ws, console)
+        summary = step.describe(result)
+        console.info(f"[{step.name}] {summary}")
+        outcomes.append(StageOutcome(step.name, False, reason or "forced", summary))
+    return outcomes
