@@ -183,16 +183,32 @@ def _refuse(name: str):
 
 @cli.command(context_settings=CONTEXT_SETTINGS)
 @config_argument
+@click.option("--method", type=click.Choice(["entropy", "minmax", "percentile", "mse"]),
+              help="Override calibration.method.")
+@click.option("--data", type=click.Path(exists=True, path_type=Path), help="Override calibration.data.")
+@click.option("--max-samples", type=int, help="Override calibration.max_samples.")
+@click.option("--batch-size", type=int, help="Override calibration.batch_size.")
+@json_option
 @click.pass_context
-def calibrate(ctx: click.Context, config: Path) -> None:
-    """Compute INT8 ranges for CONFIG's model: calib.cache + calib.json.
+def calibrate(ctx: click.Context, config: Path, method: str | None, data: Path | None, max_samples: int | None,
+              batch_size: int | None, json_out: bool) -> None:
+    """Compute INT8 ranges for CONFIG's model: calib.cache (TensorRT format) + calib.json.
 
     \b
     Example:
-      quantkit calibrate configs/digits_cnn.yaml
+      quantkit calibrate configs/resnet18.yaml --method percentile --max-samples 256
     """
-    _load(config)
-    _refuse("calibrate")
+    from quantkit import calibrate as calibrate_stage
+
+    settings = _settings(ctx, json_out)
+    cfg = _load(config, {"calibration.method": method, "calibration.data": str(data.resolve()) if data else None,
+                         "calibration.max_samples": max_samples, "calibration.batch_size": batch_size})
+    result = calibrate_stage.calibrate(cfg, _workspace(settings, cfg), settings.console)
+    if json_out:
+        _emit_json(result.to_json())
+    else:
+        settings.console.result(calibrate_stage.describe(result))
+        settings.console.info(f"next: quantkit build-engine {config}")
 
 
 @cli.command("build-engine", context_settings=CONTEXT_SETTINGS)
@@ -242,6 +258,38 @@ def run(ctx: click.Context, config: Path, force: bool, json_out: bool) -> None:
     outcomes = run_pipeline(cfg, _workspace(settings, cfg), settings.console, force=force)
     if json_out:
         _emit_json([vars(o) for o in outcomes])
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("cache", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("other", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@click.option("--rtol", type=float, default=0.0, show_default=True,
+              help="With two files: scales within this relative difference count as equal.")
+@json_option
+@click.pass_context
+def inspect(ctx: click.Context, cache: Path, other: Path | None, rtol: float, json_out: bool) -> None:
+    """Print a calibration cache (TensorRT text cache or calib.json), or diff two.
+
+    \b
+    Example:
+      quantkit inspect artifacts/resnet18/calib.cache trtexec.cache
+    """
+    from quantkit.cache_tools import cache_table, diff_table, load_scales
+
+    settings = _settings(ctx, json_out)
+    first = load_scales(cache)
+    if other is None:
+        if json_out:
+            _emit_json({"path": str(cache), "version": first.version, "algorithm": first.algorithm,
+                        "scales": first.scales})
+        else:
+            settings.console.result(cache_table(cache, first))
+        return
+    text, payload = diff_table(cache, first, other, load_scales(other), rtol)
+    if json_out:
+        _emit_json(payload)
+    else:
+        settings.console.result(text)
 
 
 def main() -> None:

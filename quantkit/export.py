@@ -71,7 +71,7 @@ def export_fingerprint(cfg: Config) -> dict[str, Any]:
         "export": cfg.export.model_dump(mode="json"),
         "weights_sha256": sha256_file(Path(model.weights)) if model.weights else None,
         "onnx_sha256": sha256_file(Path(model.path)) if model.path else None,
-        "factory_sha256": _factory_file_hash(model.factory) if model.factory else None,
+        "factory_sha256": _factory_file_hash(model.factory, _config_dir(cfg)) if model.factory else None,
         "torch": _dist_version("torch") if model.source != "onnx" else None,
         "torchvision": _dist_version("torchvision") if model.source == "torchvision" else None,
     }
@@ -170,8 +170,7 @@ def build_torch_module(cfg: Config):
     if model.source == "torchvision":
         module = _torchvision_module(model.arch)
     else:
-        search_dir = cfg.source_path.parent.resolve() if cfg.source_path else None
-        module = _call_factory(model.factory, model.kwargs, search_dir)
+        module = _call_factory(model.factory, model.kwargs, _config_dir(cfg))
     if not isinstance(module, torch.nn.Module):
         raise ModelError(f"model.factory {model.factory!r} returned {type(module).__name__}, not a torch.nn.Module")
     if model.weights:
@@ -422,9 +421,21 @@ def _import_torch():
     return torch
 
 
-def _factory_file_hash(factory: str) -> str | None:
-    """Hash of the factory's module source, so code edits make model.onnx stale."""
+def _config_dir(cfg: Config) -> Path | None:
+    return cfg.source_path.parent.resolve() if cfg.source_path else None
+
+
+def _factory_file_hash(factory: str, search_dir: Path | None) -> str | None:
+    """Hash of the factory's module source, so code edits make model.onnx stale.
+
+    Looks next to the config first (where _call_factory also looks), without importing.
+    """
     module_name = factory.partition(":")[0]
+    if search_dir is not None:
+        relative = Path(*module_name.split("."))
+        for candidate in (search_dir / relative.with_suffix(".py"), search_dir / relative / "__init__.py"):
+            if candidate.is_file():
+                return sha256_file(candidate)
     try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError):

@@ -47,6 +47,18 @@ def _export_stage() -> Stage:
     )
 
 
+def _calibrate_stage() -> Stage:
+    from quantkit import calibrate
+
+    return Stage(
+        name="calibrate",
+        manifest=calibrate.MANIFEST,
+        fingerprint=calibrate.calibration_fingerprint,
+        execute=calibrate.calibrate,
+        describe=calibrate.describe,
+    )
+
+
 def _not_yet(name: str, issue: str) -> Stage:
     def refuse(*_args: Any) -> Any:
         raise NotAvailableError(f"'quantkit {name}' is not available in this version of quantkit ({issue})")
@@ -59,7 +71,7 @@ def stages() -> list[Stage]:
     """The stages in pipeline order."""
     return [
         _export_stage(),
-        _not_yet("calibrate", "calibration engine: not built yet"),
+        _calibrate_stage(),
         _not_yet("build-engine", "INT8 build: not built yet"),
         _not_yet("bench", "benchmark: not built yet"),
     ]
