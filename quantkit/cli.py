@@ -227,16 +227,33 @@ def build_engine(ctx: click.Context, config: Path) -> None:
 
 @cli.command(context_settings=CONTEXT_SETTINGS)
 @config_argument
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), help="Override build.backend.")
+@click.option("--batch-sizes", help="Comma-separated batch sizes, e.g. 1,8,32 (override bench.batch_sizes).")
+@click.option("--duration", type=float, help="Seconds of timing per run, at least (override bench.duration_s).")
+@click.option("--threads", type=int, help="Intra-op threads (override bench.threads).")
+@click.option("--json", "json_path", help="Also write bench.json to PATH; '-' prints it on stdout.")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Also write bench.md to PATH.")
+@click.option("--gate", "gates", multiple=True, help="Extra gate, e.g. 'speedup@32>=1.5' (repeatable).")
+@click.option("--compare", type=click.Path(exists=True, dir_okay=False), help="Baseline bench.json: report regressions.")
 @click.pass_context
-def bench(ctx: click.Context, config: Path) -> None:
-    """Benchmark FP32 against INT8 for CONFIG.
+def bench(ctx: click.Context, config: Path, backend: str | None, batch_sizes: str | None, duration: float | None,
+          threads: int | None, json_path: str | None, markdown_path: str | None, gates: tuple[str, ...],
+          compare: str | None) -> None:
+    """Benchmark FP32 against INT8 for CONFIG: latency, throughput, accuracy, gates.
 
     \b
     Example:
-      quantkit bench configs/digits_cnn.yaml
+      quantkit bench configs/resnet18.yaml --batch-sizes 1,32 --gate 'speedup@32>=2' --json -
     """
-    _load(config)
-    _refuse("bench")
+    from quantkit.bench.stage import describe, parse_batch_sizes, run_bench
+
+    settings = _settings(ctx, json_path == "-")
+    cfg = _load(config)
+    result = run_bench(cfg, _workspace(settings, cfg), settings.console, backend=backend,
+                       batch_sizes=parse_batch_sizes(batch_sizes) if batch_sizes else None, duration=duration,
+                       threads=threads, gates=gates, compare=compare, json_path=json_path,
+                       markdown_path=markdown_path)
+    settings.console.info(describe(result))
 
 
 @cli.command(context_settings=CONTEXT_SETTINGS)

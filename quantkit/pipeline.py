@@ -59,6 +59,18 @@ def _calibrate_stage() -> Stage:
     )
 
 
+def _bench_stage() -> Stage:
+    from quantkit.bench import stage as bench
+
+    return Stage(
+        name="bench",
+        manifest=bench.MANIFEST,
+        fingerprint=bench.bench_fingerprint,
+        execute=bench.run_bench,
+        describe=bench.describe,
+    )
+
+
 def _not_yet(name: str, issue: str) -> Stage:
     def refuse(*_args: Any) -> Any:
         raise NotAvailableError(f"'quantkit {name}' is not available in this version of quantkit ({issue})")
@@ -73,7 +85,7 @@ def stages() -> list[Stage]:
         _export_stage(),
         _calibrate_stage(),
         _not_yet("build-engine", "INT8 build: not built yet"),
-        _not_yet("bench", "benchmark: not built yet"),
+        _bench_stage(),
     ]
 
 

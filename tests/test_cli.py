@@ -70,7 +70,7 @@ def test_runtime_errors_exit_1_and_debug_shows_the_traceback(make_config, monkey
     assert debug.exit_code == 1 and "Traceback" in debug.output
 
 
-@pytest.mark.parametrize("command", ["build-engine", "bench"])
+@pytest.mark.parametrize("command", ["build-engine"])
 def test_unbuilt_stages_refuse_clearly(make_config, command):
     from quantkit.pipeline import stage
 
