@@ -27,6 +27,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+## make bench: build every reference model, then regenerate docs/benchmarks.md (FP32 vs INT8, calibration, build)
+bench: $(STAMP)
+	for config in configs/*.yaml; do $(BIN)/quantkit -q --workdir $(WORKDIR) run --stop-after build-engine $$config || exit 1; done
+	$(BIN)/python scripts/bench_all.py --workdir $(WORKDIR)
+	$(BIN)/python scripts/bench_calib.py --workdir $(WORKDIR)/bench-calib
+
 ## make data: regenerate the shipped data and the digits weights (needs the data extra)
 data: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[data]'

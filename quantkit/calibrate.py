@@ -71,8 +71,8 @@ class CalibrationResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "cache": str(self.cache_path),
-            "json": str(self.json_path),
+            "cache": self.cache_path.name,
+            "json": self.json_path.name,
             "tensors": len(self.tensors),
             "samples": self.samples,
             "batches": self.batches,

@@ -259,9 +259,11 @@ def bench(ctx: click.Context, config: Path, backend: str | None, batch_sizes: st
 @cli.command(context_settings=CONTEXT_SETTINGS)
 @config_argument
 @click.option("--force", is_flag=True, help="Rerun every stage even if its inputs did not change.")
+@click.option("--stop-after", type=click.Choice(["export", "calibrate", "build-engine", "bench"]),
+              help="Stop after this stage.")
 @json_option
 @click.pass_context
-def run(ctx: click.Context, config: Path, force: bool, json_out: bool) -> None:
+def run(ctx: click.Context, config: Path, force: bool, stop_after: str | None, json_out: bool) -> None:
     """Run export, calibrate, build-engine and bench in order, skipping unchanged stages.
 
     \b
@@ -272,7 +274,7 @@ def run(ctx: click.Context, config: Path, force: bool, json_out: bool) -> None:
 
     settings = _settings(ctx, json_out)
     cfg = _load(config)
-    outcomes = run_pipeline(cfg, _workspace(settings, cfg), settings.console, force=force)
+    outcomes = run_pipeline(cfg, _workspace(settings, cfg), settings.console, force=force, stop_after=stop_after)
     if json_out:
         _emit_json([vars(o) for o in outcomes])
 

@@ -101,8 +101,9 @@ class StageOutcome:
     summary: str
 
 
-def run_pipeline(cfg: Config, ws: ModelWorkspace, console: Console, force: bool = False) -> list[StageOutcome]:
-    """Run every stage in order, skipping those whose inputs did not change."""
+def run_pipeline(cfg: Config, ws: ModelWorkspace, console: Console, force: bool = False,
+                 stop_after: str | None = None) -> list[StageOutcome]:
+    """Run every stage in order (up to ``stop_after``), skipping those whose inputs did not change."""
     outcomes = []
     for step in stages():
         fingerprint = step.fingerprint(cfg, ws)
@@ -110,10 +111,14 @@ def run_pipeline(cfg: Config, ws: ModelWorkspace, console: Console, force: bool 
         if reason is None and not force:
             console.info(f"[{step.name}] up to date, skipped")
             outcomes.append(StageOutcome(step.name, True, "up to date", ""))
+            if step.name == stop_after:
+                break
             continue
         console.info(f"[{step.name}] running ({'forced' if force else reason})")
         result = step.execute(cfg, ws, console)
         summary = step.describe(result)
         console.info(f"[{step.name}] {summary}")
         outcomes.append(StageOutcome(step.name, False, reason or "forced", summary))
+        if step.name == stop_after:
+            break
     return outcomes
