@@ -175,12 +175,6 @@ def export(ctx: click.Context, config: Path, opset: int | None, no_simplify: boo
         settings.console.info(f"next: quantkit calibrate {config}")
 
 
-def _refuse(name: str):
-    from quantkit.pipeline import stage
-
-    stage(name).execute()
-
-
 @cli.command(context_settings=CONTEXT_SETTINGS)
 @config_argument
 @click.option("--method", type=click.Choice(["entropy", "minmax", "percentile", "mse"]),
@@ -213,16 +207,31 @@ def calibrate(ctx: click.Context, config: Path, method: str | None, data: Path |
 
 @cli.command("build-engine", context_settings=CONTEXT_SETTINGS)
 @config_argument
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), help="Override build.backend.")
+@click.option("--exclude", "exclude", multiple=True, metavar="PATTERN",
+              help="Keep in float: a node name, glob or op type (repeatable; adds to build.fallback).")
+@click.option("--allow-stale", is_flag=True, help="Use a calibration whose inputs changed since it was made.")
+@json_option
 @click.pass_context
-def build_engine(ctx: click.Context, config: Path) -> None:
-    """Build the INT8 artifact for CONFIG.
+def build_engine(ctx: click.Context, config: Path, backend: str | None, exclude: tuple[str, ...], allow_stale: bool,
+                 json_out: bool) -> None:
+    """Build the INT8 artifacts for CONFIG: model.int8.onnx (CPU), model.qdq.onnx, model.engine (TensorRT).
 
     \b
     Example:
-      quantkit build-engine configs/digits_cnn.yaml
+      quantkit build-engine configs/mobilenet_v3_small.yaml --exclude 'HardSigmoid' --exclude '/features/0/*'
     """
-    _load(config)
-    _refuse("build-engine")
+    from quantkit import build
+
+    settings = _settings(ctx, json_out)
+    cfg = _load(config)
+    result = build.build_engine(cfg, _workspace(settings, cfg), settings.console, backend=backend,
+                                exclude=list(exclude), allow_stale=allow_stale)
+    if json_out:
+        _emit_json(result.to_json())
+    else:
+        settings.console.result(build.describe(result))
+        settings.console.info(f"next: quantkit bench {config}")
 
 
 @cli.command(context_settings=CONTEXT_SETTINGS)

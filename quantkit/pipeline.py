@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 from quantkit.artifacts import ModelWorkspace
 from quantkit.config import Config
-from quantkit.errors import NotAvailableError
 from quantkit.ui import Console
 
 
@@ -71,12 +70,16 @@ def _bench_stage() -> Stage:
     )
 
 
-def _not_yet(name: str, issue: str) -> Stage:
-    def refuse(*_args: Any) -> Any:
-        raise NotAvailableError(f"'quantkit {name}' is not available in this version of quantkit ({issue})")
+def _build_stage() -> Stage:
+    from quantkit import build
 
-    return Stage(name=name, manifest=f"{name}.json", fingerprint=lambda cfg, ws: {}, execute=refuse,
-                 describe=str)
+    return Stage(
+        name="build-engine",
+        manifest=build.MANIFEST,
+        fingerprint=build.build_fingerprint,
+        execute=build.build_engine,
+        describe=build.describe,
+    )
 
 
 def stages() -> list[Stage]:
@@ -84,7 +87,7 @@ def stages() -> list[Stage]:
     return [
         _export_stage(),
         _calibrate_stage(),
-        _not_yet("build-engine", "INT8 build: not built yet"),
+        _build_stage(),
         _bench_stage(),
     ]
 

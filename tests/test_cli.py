@@ -70,20 +70,6 @@ def test_runtime_errors_exit_1_and_debug_shows_the_traceback(make_config, monkey
     assert debug.exit_code == 1 and "Traceback" in debug.output
 
 
-@pytest.mark.parametrize("command", ["build-engine"])
-def test_unbuilt_stages_refuse_clearly(make_config, command):
-    from quantkit.pipeline import stage
-
-    try:
-        stage(command).execute
-    except StopIteration:
-        pytest.skip(f"{command} is not a pipeline stage")
-    result = invoke(command, str(make_config()))
-    if "not available in this version" not in result.output:
-        pytest.skip(f"{command} is implemented")
-    assert result.exit_code == 1
-
-
 def test_workdir_from_environment(tmp_path, make_config, monkeypatch):
     pytest.importorskip("torch")
     import sys

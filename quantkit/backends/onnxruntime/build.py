@@ -1,0 +1,280 @@
+"""The ONNX Runtime (CPU) INT8 build: the CPU Q/DQ flavour plus a speed guard.
+
+The guard times FP32 against INT8 in ONNX Runtime during the build (2 threads,
+ORT_ENABLE_ALL, batch = ``build.profile.opt``, interleaved pairs, medians) and, where INT8 does
+not clearly pay (less than :data:`SEARCH_BELOW` x FP32), keeps resolution stages on the input side
+in float (:func:`quantkit.qdq.placement.input_side_regions`) as long as each one makes the INT8
+model measurably faster (:data:`MIN_GAIN`). Those nodes are *automatic* fallbacks. If the result is still slower than FP32
+the build says so.
+
+Sessions run with ONNX Runtime's defaults (worker threads spin while waiting for work, as in
+deployment and in ``quantkit bench``). With two sessions alive on a 2-core machine the session
+timed last keeps spinning for a moment and steals cores from the next one, so fast models are
+timed in short blocks whose first runs are not counted (:func:`compare_many`). Turning spinning
+off instead was tried and rejected: it is stable but biased -- it costs small models a thread
+wake-up per op (digits CNN: INT8 0.98x FP32 without spinning, 1.65x with it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from quantkit.qdq import TensorRange
+from quantkit.qdq.cpu import write_cpu_qdq
+from quantkit.qdq.placement import input_side_regions
+from quantkit.ui import Console
+
+#: Seconds of interleaved timing per comparison (at least 3 rounds are run regardless).
+GUARD_BUDGET_S = 0.5
+#: Models slower than this are timed one run at a time; faster ones in blocks of about BLOCK_S.
+SINGLE_RUN_S = 0.1
+BLOCK_S = 0.1
+#: Runs at the start of a block that are not counted (the previous session's threads still spin).
+BLOCK_DROP = 2
+#: Float regions are only tried when INT8 is less than this much faster than FP32: above it the
+#: input-side stages are a small share of the time and trying them costs more build time than it can win.
+SEARCH_BELOW = 1.5
+#: A float region is kept only if it makes the INT8 model at least this much faster (noise margin).
+MIN_GAIN = 1.03
+#: Ops in ORT's optimized graph that are integer kernels (what the Q/DQ pairs fused into).
+_FUSED_PREFIXES = ("QLinear",)
+_FUSED_OPS = ("QGemm", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QAttention", "ConvInteger",
+              "MatMulInteger", "NhwcMaxPool")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """FP32 against INT8 in ONNX Runtime, as measured by the guard."""
+
+    fp32_ms: float
+    int8_ms: float
+    speedup: float  # median over pairs of fp32 / int8
+    batch: int
+    threads: int
+    pairs: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fp32_ms": round(self.fp32_ms, 3), "int8_ms": round(self.int8_ms, 3),
+                "speedup": round(self.speedup, 3), "batch": self.batch, "threads": self.threads,
+                "pairs": self.pairs, "statistic": "median of interleaved runs"}
+
+
+@dataclass(frozen=True)
+class GuardStep:
+    """One float region the guard tried."""
+
+    region_end: str
+    region_nodes: int
+    before_ms: float
+    after_ms: float
+    gain: float
+    accepted: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"region_end": self.region_end, "region_nodes": self.region_nodes,
+                "before_ms": round(self.before_ms, 3), "after_ms": round(self.after_ms, 3),
+                "gain": round(self.gain, 3), "accepted": self.accepted}
+
+
+@dataclass
+class CpuArtifact:
+    """The CPU flavour as built, with what the guard measured and decided."""
+
+    model: onnx.ModelProto
+    quantized: list[str]
+    automatic: list[str] = field(default_factory=list)
+    timing: Timing | None = None
+    steps: list[GuardStep] = field(default_factory=list)
+    optimized_ops: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fused_ops(self) -> dict[str, int]:
+        return {op: n for op, n in self.optimized_ops.items() if _is_fused(op)}
+
+    @property
+    def unfused_qdq(self) -> dict[str, int]:
+        return {op: n for op, n in self.optimized_ops.items() if op in ("QuantizeLinear", "DequantizeLinear")}
+
+
+def build_cpu_artifact(model: onnx.ModelProto, ranges: Mapping[str, TensorRange], nodes: Sequence[str],
+                       float_nodes: Iterable[str], feeds: Mapping[str, np.ndarray] | None, console: Console, *,
+                       threads: int = 2, budget_s: float | None = None, max_regions: int = 3) -> CpuArtifact:
+    """Write the CPU flavour and run the speed guard.
+
+    Args:
+        model: the FP32 model.
+        ranges: calibrated ranges.
+        nodes: the nodes to quantize (after exclusions).
+        float_nodes: nodes excluded by the user (they read float tensors where possible).
+        feeds: one batch at ``build.profile.opt`` to time with; None skips the guard.
+        console: where the guard reports.
+        threads: ORT intra-op threads for timing (2 by default, as in the benchmarks).
+        budget_s: time per comparison (default :data:`GUARD_BUDGET_S`).
+        max_regions: how many float regions the guard tries at most.
+
+    Returns:
+        The artifact; ``timing`` is None when the guard did not run.
+    """
+    float_nodes = list(float_nodes)
+    budget_s = GUARD_BUDGET_S if budget_s is None else budget_s
+    artifact = CpuArtifact(write_cpu_qdq(model, ranges, nodes, float_nodes), list(nodes))
+    if feeds is None:
+        artifact.optimized_ops = optimized_op_histogram(artifact.model, threads)
+        return artifact
+    batch = int(next(iter(feeds.values())).shape[0])
+    fp32 = _session(model, threads)
+    full = _session(artifact.model, threads)
+    final = compare(fp32, full, feeds, budget_s)
+    console.info(f"speed guard (ONNX Runtime, {threads} threads, batch {batch}): FP32 {final[0]:.2f} ms, "
+                 f"INT8 {final[1]:.2f} ms ({final[2]:.2f}x)")
+    regions = input_side_regions(model, artifact.quantized, limit=max_regions) if final[2] < SEARCH_BELOW else []
+    if regions:
+        chosen = _try_regions(model, ranges, nodes, float_nodes, regions, full, feeds, threads, budget_s,
+                              artifact, console)
+        if chosen is not None:
+            best_model, best_nodes, best_session, moved = chosen
+            artifact.model, artifact.quantized, artifact.automatic = best_model, best_nodes, moved
+            final = compare(fp32, best_session, feeds, budget_s)
+            console.info(f"speed guard result: FP32 {final[0]:.2f} ms, INT8 {final[1]:.2f} ms ({final[2]:.2f}x), "
+                         f"{len(moved)} nodes kept in float automatically")
+    artifact.timing = Timing(final[0], final[1], final[2], batch, threads, final[3])
+    if final[2] < 1.0:
+        console.warn(f"the INT8 CPU artifact is slower than FP32 at batch {batch} "
+                     f"({final[1]:.2f} ms vs {final[0]:.2f} ms, {final[2]:.2f}x); it is written anyway, "
+                     "see build.json (consider --exclude for the slow layers or the FP32 model)")
+    artifact.optimized_ops = optimized_op_histogram(artifact.model, threads)
+    return artifact
+
+
+def _try_regions(model, ranges, nodes, float_nodes, regions, full, feeds, threads, budget_s, artifact, console):
+    """Time every float-prefix candidate against the full INT8 model in one interleaved round robin.
+
+    The gains of nested prefixes are not monotonic (a boundary inside a stage can cost more than it
+    saves), so all candidates are timed and the best one wins if it beats :data:`MIN_GAIN`.
+
+    Returns:
+        (model, quantized nodes, session, nodes moved to float) of the winner, or None.
+    """
+    trials = []
+    for region in regions:
+        region_set = set(region)
+        trial_nodes = [name for name in nodes if name not in region_set]
+        trial_float = float_nodes + [name for name in nodes if name in region_set]
+        trial_model = write_cpu_qdq(model, ranges, trial_nodes, trial_float)
+        moved = [name for name in nodes if name in region_set]
+        trials.append((region[-1], trial_model, trial_nodes, _session(trial_model, threads), moved))
+    medians, gains, _ = compare_many([full] + [t[3] for t in trials], feeds, budget_s * len(trials))
+    best = max(range(len(trials)), key=lambda i: gains[i + 1])
+    winner = best if gains[best + 1] >= MIN_GAIN else None
+    for index, (end, _, _, _, moved) in enumerate(trials):
+        accepted = index == winner
+        artifact.steps.append(GuardStep(end, len(moved), medians[0], medians[index + 1], gains[index + 1], accepted))
+        verdict = "chosen" if accepted else "not chosen"
+        console.info(f"  float up to {end!r} ({len(moved)} nodes): {medians[0]:.2f} -> {medians[index + 1]:.2f} ms "
+                     f"({gains[index + 1]:.2f}x) - {verdict}")
+    if winner is None:
+        return None
+    end, trial_model, trial_nodes, session, moved = trials[winner]
+    return trial_model, trial_nodes, session, moved
+
+
+def compare(a, b, feeds: Mapping[str, np.ndarray], budget_s: float, min_rounds: int = 3,
+            max_rounds: int = 200) -> tuple[float, float, float, int]:
+    """Time two sessions on the same feeds, interleaved (see :func:`compare_many`).
+
+    Returns:
+        (median ms of a, median ms of b, median over rounds of a/b, rounds run).
+    """
+    medians, gains, rounds = compare_many([a, b], feeds, budget_s, min_rounds, max_rounds)
+    return medians[0], medians[1], gains[1], rounds
+
+
+def compare_many(sessions: Sequence, feeds: Mapping[str, np.ndarray], budget_s: float, min_rounds: int = 3,
+                 max_rounds: int = 200) -> tuple[list[float], list[float], int]:
+    """Time several sessions round-robin, one block of runs each per round, the order rotating.
+
+    A block is one run for models slower than :data:`SINGLE_RUN_S`, else enough runs to last
+    about :data:`BLOCK_S`, of which the first :data:`BLOCK_DROP` are not counted: the session
+    timed before keeps its worker threads spinning for a moment after its last run, and those
+    first runs absorb that. Drift over the comparison hits every session alike.
+
+    Returns:
+        (median ms per session, median over rounds of first/other per session (1.0 for the first),
+        rounds run).
+    """
+    feeds = dict(feeds)
+    estimate = min(_run_seconds(session, feeds) for session in sessions)  # also the untimed first run
+    for session in sessions:
+        session.run(None, feeds)
+    runs = 1 if estimate >= SINGLE_RUN_S else max(BLOCK_DROP + 1, min(400, math.ceil(BLOCK_S / max(estimate, 1e-6))))
+    drop = 0 if runs == 1 else BLOCK_DROP
+    times: list[list[float]] = [[] for _ in sessions]
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() - start < budget_s):
+        shift = rounds % len(sessions)
+        order = list(range(len(sessions)))
+        for index in order[shift:] + order[:shift]:
+            block = [_run_seconds(sessions[index], feeds) * 1e3 for _ in range(runs)]
+            times[index].append(statistics.median(block[drop:]))
+        rounds += 1
+    gains = [statistics.median(a / b for a, b in zip(times[0], column)) for column in times]
+    return [statistics.median(column) for column in times], gains, rounds
+
+
+def _run_seconds(session, feeds: Mapping[str, np.ndarray]) -> float:
+    tick = time.perf_counter()
+    session.run(None, feeds)
+    return time.perf_counter() - tick
+
+
+def optimized_op_histogram(model: onnx.ModelProto, threads: int = 2) -> dict[str, int]:
+    """Op types of the graph ONNX Runtime actually runs (ORT_ENABLE_ALL), most frequent first.
+
+    The optimized model is written to a temporary file only to be counted: it is specific to
+    this machine's CPU and never shipped.
+    """
+    with tempfile.TemporaryDirectory(prefix="quantkit-ort-") as tmp:
+        path = Path(tmp) / "optimized.onnx"
+        _session(model, threads, optimized_path=path)
+        optimized = onnx.load(str(path), load_external_data=False)
+    return dict(Counter(node.op_type for node in optimized.graph.node).most_common())
+
+
+def output_cosine(reference, candidate, feeds: Mapping[str, np.ndarray]) -> float:
+    """Mean per-sample cosine similarity of the first output of two models (sessions or ModelProtos)."""
+    ref_session = reference if hasattr(reference, "run") else _session(reference, 2)
+    cand_session = candidate if hasattr(candidate, "run") else _session(candidate, 2)
+    ref = np.asarray(ref_session.run(None, dict(feeds))[0], dtype=np.float64)
+    out = np.asarray(cand_session.run(None, dict(feeds))[0], dtype=np.float64)
+    ref, out = ref.reshape(len(ref), -1), out.reshape(len(out), -1)
+    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(out, axis=1)
+    cosines = np.where(norms > 0, np.sum(ref * out, axis=1) / np.maximum(norms, 1e-30), 1.0)
+    return float(np.mean(cosines))
+
+
+def _session(model: onnx.ModelProto, threads: int, optimized_path: Path | None = None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # the "optimized model is hardware specific" warning is expected
+    if optimized_path is not None:
+        options.optimized_model_filepath = str(optimized_path)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _is_fused(op: str) -> bool:
+    return op.startswith(_FUSED_PREFIXES) or op in _FUSED_OPS

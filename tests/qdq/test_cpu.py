@@ -1,0 +1,126 @@
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+
+from quantkit.backends.onnxruntime.build import optimized_op_histogram, output_cosine
+from quantkit.qdq import testing as tiny
+from quantkit.qdq.cpu import write_cpu_qdq
+from quantkit.qdq.graph import constant_value, producers
+from quantkit.qdq.placement import CPU, quantizable_nodes, select_nodes
+
+
+def _cpu(model, ranges, exclude=()):
+    nodes = select_nodes(quantizable_nodes(model), CPU, exclude)
+    return write_cpu_qdq(model, ranges, nodes, exclude)
+
+
+def _node(model, name):
+    return next(n for n in model.graph.node if n.name == name)
+
+
+def _input_producer(model, node_name, index):
+    return producers(model).get(_node(model, node_name).input[index])
+
+
+@pytest.fixture(scope="module")
+def cpu_residual(residual):
+    model, ranges = residual
+    return _cpu(model, ranges)
+
+
+def test_activations_are_uint8_asymmetric_from_calibration(cpu_residual, residual):
+    _, ranges = residual
+    q_input = next(n for n in cpu_residual.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "input")
+    scale, zero = constant_value(cpu_residual, q_input.input[1]), constant_value(cpu_residual, q_input.input[2])
+    low, high = ranges["input"].cpu_bounds()
+    assert zero.dtype == np.uint8 and scale.size == 1
+    assert scale == pytest.approx((high - low) / 255, rel=1e-5)
+    assert int(zero) == round(-low / float(scale))
+
+
+def test_weights_are_int8_per_channel_on_output_axis(cpu_residual):
+    for node_name, channels in (("conv1", 8), ("conv2", 8), ("fc", 5)):
+        dq = _input_producer(cpu_residual, node_name, 1)
+        assert dq.op_type == "DequantizeLinear"
+        weight, scale, zero = (constant_value(cpu_residual, name) for name in dq.input)
+        assert weight.dtype == np.int8 and zero.dtype == np.int8 and not zero.any()
+        assert scale.shape == (channels,)
+        assert next(a.i for a in dq.attribute if a.name == "axis") == 0
+
+
+def test_bias_is_int32_for_fusion(cpu_residual):
+    dq = _input_producer(cpu_residual, "conv1", 2)
+    assert dq.op_type == "DequantizeLinear" and constant_value(cpu_residual, dq.input[0]).dtype == np.int32
+
+
+def test_optimized_graph_fuses_into_qlinear_ops(cpu_residual):
+    ops = optimized_op_histogram(cpu_residual)
+    assert ops.get("QLinearConv") == 3
+    assert ops.get("QLinearAdd") == 1
+    assert ops.get("QLinearGlobalAveragePool") == 1
+    assert ops.get("QGemm") == 1
+    assert "Conv" not in ops and "Gemm" not in ops
+
+
+def test_matmul_fuses_and_graph_output_stays_float(mlp):
+    model, ranges = mlp
+    quantized = _cpu(model, ranges)
+    assert _node(quantized, "mm2").output[0] == "y"  # no Q/DQ on the graph output
+    ops = optimized_op_histogram(quantized)
+    assert ops.get("MatMulIntegerToFloat", 0) + ops.get("QLinearMatMul", 0) == 2
+    dq = _input_producer(quantized, "mm1", 1)
+    assert next(a.i for a in dq.attribute if a.name == "axis") == 1  # [K, N]: N is the output channel
+
+
+def test_excluded_nodes_carry_no_qdq(residual):
+    model, ranges = residual
+    quantized = _cpu(model, ranges, exclude=["conv1", "head_sigmoid"])
+    produced_by = producers(quantized)
+    conv1 = _node(quantized, "conv1")
+    assert conv1.input[0] == "input" and conv1.input[1] == "w1" and conv1.input[2] == "b1"
+    assert constant_value(quantized, "w1").dtype == np.float32
+    assert all(user.op_type != "QuantizeLinear" for user in quantized.graph.node if conv1.output[0] in user.input)
+    sigmoid = _node(quantized, "head_sigmoid")
+    assert produced_by[sigmoid.input[0]].op_type == "Gemm"  # float Gemm output straight into the float head
+    assert sigmoid.output[0] == "logits"
+    assert "QLinearSigmoid" not in optimized_op_histogram(quantized)
+
+
+def test_excluded_conv_after_an_int8_producer_stays_float_in_onnxruntime(residual):
+    """ORT would otherwise quantize its weights per-tensor (WeightBiasQuantization) and fuse it."""
+    model, ranges = residual
+    quantized = _cpu(model, ranges, exclude=["conv2"])
+    assert _node(quantized, "conv2").input[1] == "w2"
+    ops = optimized_op_histogram(quantized)
+    assert ops.get("QLinearConv") == 2  # conv1 and conv3; conv2 runs in float
+    assert ops.get("Conv", 0) + ops.get("FusedConv", 0) == 1
+    assert output_cosine(model, quantized, tiny.random_feeds(model, 8, seed=2)) > 0.999
+
+
+def test_cpu_flavour_close_to_fp32(cpu_residual, residual):
+    model, _ = residual
+    assert output_cosine(model, cpu_residual, tiny.random_feeds(model, 8, seed=7)) > 0.999
+
+
+def test_hardswish_becomes_lookup_table_and_mul(hardswish):
+    model, ranges = hardswish
+    quantized = _cpu(model, ranges)
+    ops = [n.op_type for n in quantized.graph.node]
+    assert "HardSwish" not in ops and ops.count("LeakyRelu") == 2
+    fused = optimized_op_histogram(quantized)
+    assert fused.get("QLinearLeakyRelu") == 2 and fused.get("QLinearMul") == 2 and fused.get("QLinearConv") == 3
+    assert output_cosine(model, quantized, tiny.random_feeds(model, 8, seed=3)) > 0.998
+
+
+def test_hardswish_lookup_matches_hardsigmoid_on_the_grid():
+    # q = clamp(round(x * 256/6) + 128, 0, 255); q / 256 must be hard-sigmoid within one step
+    x = np.linspace(-8, 8, 2001, dtype=np.float32)
+    q = np.clip(np.round(x / (6 / 256)) + 128, 0, 255)
+    assert np.max(np.abs(q / 256 - np.clip(x / 6 + 0.5, 0, 1))) <= 1 / 256 + 1e-6
+    assert np.all(q[x <= -3] == 0)
+
+
+def test_model_is_valid_onnx(cpu_residual):
+    onnx.checker.check_model(cpu_residual)
+    assert all(i.data_type != TensorProto.UINT8 or i.dims == [] for i in cpu_residual.graph.initializer)
