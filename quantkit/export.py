@@ -63,8 +63,8 @@ class ExportResult:
         }
 
 
-def export_fingerprint(cfg: Config) -> dict[str, Any]:
-    """Everything ``model.onnx`` depends on, cheap to compute (no torch import)."""
+def export_fingerprint(cfg: Config, ws: ModelWorkspace | None = None) -> dict[str, Any]:
+    """Everything ``model.onnx`` depends on, cheap to compute (no torch import); ``ws`` is unused."""
     model = cfg.model
     fingerprint: dict[str, Any] = {
         "model": model.model_dump(mode="json"),

@@ -7,6 +7,7 @@ fingerprint still matches and whose outputs are intact.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,62 +35,23 @@ class Stage:
     describe: Callable[[Any], str]
 
 
-def _export_stage() -> Stage:
-    from quantkit import export
-
-    return Stage(
-        name="export",
-        manifest=export.MANIFEST,
-        fingerprint=lambda cfg, ws: export.export_fingerprint(cfg),
-        execute=export.export_model,
-        describe=export.describe,
-    )
-
-
-def _calibrate_stage() -> Stage:
-    from quantkit import calibrate
-
-    return Stage(
-        name="calibrate",
-        manifest=calibrate.MANIFEST,
-        fingerprint=calibrate.calibration_fingerprint,
-        execute=calibrate.calibrate,
-        describe=calibrate.describe,
-    )
-
-
-def _bench_stage() -> Stage:
-    from quantkit.bench import stage as bench
-
-    return Stage(
-        name="bench",
-        manifest=bench.MANIFEST,
-        fingerprint=bench.bench_fingerprint,
-        execute=bench.run_bench,
-        describe=bench.describe,
-    )
-
-
-def _build_stage() -> Stage:
-    from quantkit import build
-
-    return Stage(
-        name="build-engine",
-        manifest=build.MANIFEST,
-        fingerprint=build.build_fingerprint,
-        execute=build.build_engine,
-        describe=build.describe,
-    )
+# name, module, fingerprint function, execute function (each module also has MANIFEST and describe)
+_STAGE_TABLE = [
+    ("export", "quantkit.export", "export_fingerprint", "export_model"),
+    ("calibrate", "quantkit.calibrate", "calibration_fingerprint", "calibrate"),
+    ("build-engine", "quantkit.build", "build_fingerprint", "build_engine"),
+    ("bench", "quantkit.bench.stage", "bench_fingerprint", "run_bench"),
+]
 
 
 def stages() -> list[Stage]:
-    """The stages in pipeline order."""
-    return [
-        _export_stage(),
-        _calibrate_stage(),
-        _build_stage(),
-        _bench_stage(),
-    ]
+    """The stages in pipeline order (modules are imported here, not at quantkit start-up)."""
+    table = []
+    for name, module_name, fingerprint, execute in _STAGE_TABLE:
+        module = importlib.import_module(module_name)
+        table.append(Stage(name, module.MANIFEST, getattr(module, fingerprint), getattr(module, execute),
+                           module.describe))
+    return table
 
 
 def stage(name: str) -> Stage:

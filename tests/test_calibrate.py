@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import yaml
 from click.testing import CliRunner
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from quantkit.artifacts import ModelWorkspace
 from quantkit.calib.cache import read_trt_cache
@@ -20,32 +20,9 @@ from quantkit.config import load_config
 from quantkit.errors import DataError, StaleArtifactError
 from quantkit.export import export_model
 from quantkit.ui import Console
+from helpers import tiny_conv_model
 
 QUIET = Console(verbosity=-1)
-
-
-def tiny_conv_model(path, zero_second_conv: bool = False):
-    """x[batch,1,8,8] -> Conv(4) -> Relu -> Conv(2) -> y."""
-    rng = np.random.default_rng(0)
-    w1 = rng.normal(size=(4, 1, 3, 3)).astype(np.float32)
-    w2 = rng.normal(size=(2, 4, 3, 3)).astype(np.float32)
-    if zero_second_conv:
-        w2[:] = 0
-    nodes = [
-        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-        helper.make_node("Conv", ["r1", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1]),
-    ]
-    graph = helper.make_graph(
-        nodes, "tiny",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 8, 8])],
-        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
-    return path
 
 
 @pytest.fixture
