@@ -173,8 +173,8 @@ def test_excluding_everything_is_refused(tmp_path, no_freshness_check):
 
 
 def test_speed_guard_keeps_a_losing_stage_in_float(tmp_path, no_freshness_check, monkeypatch):
-    """Fake timings: INT8 barely wins, the float-prefix candidate is 2x faster, so its nodes become automatic."""
-    monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **_: (10.0, 9.0, 10 / 9, 3))
+    """Fake timings: INT8 loses, the float-prefix candidate is 2x faster, so its nodes become automatic."""
+    monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **_: (10.0, 11.0, 10 / 11, 3))
     monkeypatch.setattr(ort_build, "compare_many", lambda sessions, feeds, budget_s, **_: (
         [10.0] + [5.0] * (len(sessions) - 1), [1.0] + [2.0] * (len(sessions) - 1), 3))
     cfg, ws = make_project(tmp_path, tiny.hardswish_cnn())
@@ -207,3 +207,27 @@ def test_slower_int8_is_reported(tmp_path, no_freshness_check, monkeypatch, caps
     result = build.build_engine(cfg, ws, Console())
     assert "slower than FP32" in capsys.readouterr().err
     assert result.to_json()["cpu"]["speed_guard"]["speedup"] < 1
+
+
+def test_same_inputs_give_byte_identical_artifacts(tmp_path, no_freshness_check, monkeypatch):
+    # INT8 wins on this model, so the timing-driven region search must not run and change the placement
+    monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **kw: (1.0, 0.5, 2.0, []))
+    built = []
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+        cfg, ws = make_project(tmp_path / run, tiny.residual_cnn())
+        build.build_engine(cfg, ws, Console(verbosity=-1))
+        built.append(ws)
+    for artifact in (build.CPU_ARTIFACT, build.TRT_ARTIFACT):
+        assert built[0].path(artifact).read_bytes() == built[1].path(artifact).read_bytes(), artifact
+
+
+def test_region_search_runs_only_when_int8_loses(tmp_path, no_freshness_check, monkeypatch):
+    searched = []
+    monkeypatch.setattr(ort_build, "input_side_regions", lambda *a, **k: searched.append(1) or [])
+    for ratio in (1.2, 0.8):
+        monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, r=ratio, **kw: (1.0, 1.0 / r, r, []))
+        (tmp_path / str(ratio)).mkdir()
+        cfg, ws = make_project(tmp_path / str(ratio), tiny.residual_cnn())
+        build.build_engine(cfg, ws, Console(verbosity=-1))
+    assert len(searched) == 1
