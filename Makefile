@@ -31,6 +31,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	for config in configs/*.yaml; do $(BIN)/quantkit -q --workdir $(WORKDIR) run --stop-after build-engine $$config || exit 1; done
 	$(BIN)/python scripts/bench_all.py --workdir $(WORKDIR)
+	$(BIN)/python scripts/bench_build.py --workdir $(WORKDIR) --docs
 	$(BIN)/python scripts/bench_calib.py --workdir $(WORKDIR)/bench-calib
 
 ## make data: regenerate the shipped data and the digits weights (needs the data extra)

@@ -55,6 +55,7 @@ class BuildResult:
         seconds: wall time of the build.
         sizes: bytes of each artifact.
         widened_ranges: calibrated ranges that clipped too much and were replaced by min/max.
+        sensitivity: the automatic fallback (``build.fallback.auto``): nodes kept in float, budget, scores.
     """
 
     backend: str
@@ -75,6 +76,7 @@ class BuildResult:
     sizes: dict[str, int] = field(default_factory=dict)
     widened_ranges: dict[str, dict[str, float]] = field(default_factory=dict)
     tensorrt: dict[str, Any] | None = None
+    sensitivity: dict[str, Any] | None = None
 
     def precision_counts(self, flavour: str) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -93,6 +95,7 @@ class BuildResult:
                 "trt": {"path": str(self.trt_path), "size": self.sizes.get("trt")},
             },
             "exclusions": self.exclusions,
+            "sensitivity": self.sensitivity,
             "widened_ranges": self.widened_ranges,
             "nodes": self.nodes,
             "precision_counts": {"cpu": self.precision_counts("cpu"), "trt": self.precision_counts("trt")},
@@ -141,8 +144,9 @@ def build_fingerprint(cfg: Config, ws: ModelWorkspace, *, backend: str | None = 
                       exclude: Sequence[str] = ()) -> dict[str, Any]:
     """Everything the build's outputs depend on, cheap to compute (hashes, no model loading).
 
-    The config's build section, the CLI exclusions and backend override, and the hashes of
-    ``model.onnx`` and of the calibration files that exist.
+    The config's build section, the CLI exclusions and backend override, the hashes of
+    ``model.onnx`` and of the calibration files that exist, and with ``build.fallback.auto`` the
+    sensitivity search's fingerprint (evaluation data, search settings).
     """
     import onnxruntime
 
@@ -150,10 +154,13 @@ def build_fingerprint(cfg: Config, ws: ModelWorkspace, *, backend: str | None = 
         path = ws.path(name)
         return sha256_file(path) if path.exists() else None
 
+    from quantkit.sensitivity import sensitivity_fingerprint
+
     return {
         "build": cfg.build.model_dump(mode="json"),
         "backend": backend or cfg.build.backend,
-        "exclude": list(dict.fromkeys(list(cfg.build.fallback) + list(exclude))),
+        "exclude": list(dict.fromkeys(cfg.build.fallback_patterns + list(exclude))),
+        "sensitivity": sensitivity_fingerprint(cfg, ws, exclude) if cfg.build.auto_fallback else None,
         "model_sha256": digest("model.onnx"),
         "calib_json_sha256": digest(CALIBRATION),
         "calib_cache_sha256": digest(CALIBRATION_CACHE),
@@ -227,7 +234,8 @@ def build_engine(cfg: Config, ws: ModelWorkspace, console: Console, *, backend: 
         ws: the model's artifact directory (``model.onnx`` and ``calib.json`` in it).
         console: where progress goes.
         backend: overrides ``build.backend`` (``auto``, ``onnxruntime``, ``tensorrt``).
-        exclude: extra exclusion patterns (node names, globs, op types), added to ``build.fallback``.
+        exclude: extra exclusion patterns (node names, globs, op types), added to ``build.fallback``
+            (the search of ``build.fallback.auto`` runs with them excluded).
         allow_stale: use ``calib.json`` even if the calibration manifest says it is stale.
         guard: run the speed guard (off only for tests that do not time anything).
 
@@ -264,12 +272,13 @@ def build_engine(cfg: Config, ws: ModelWorkspace, console: Console, *, backend: 
     result = BuildResult(
         backend=backend_name, backend_reason=backend_reason, cpu_path=cpu_path, trt_path=trt_path,
         nodes=node_report(plan.candidates, plan.excluded, cpu.automatic, _int8_nodes(cpu.model, cpu.quantized),
-                          _int8_nodes(trt_model, plan.trt_nodes)),
+                          _int8_nodes(trt_model, plan.trt_nodes), sensitivity=plan.sensitive),
         exclusions=plan.exclusions, timing=cpu.timing, guard_steps=cpu.steps, automatic=cpu.automatic,
         fused_ops=cpu.fused_ops, unfused_qdq=cpu.unfused_qdq, trt_fp16=trt_fp16, trt_problems=problems,
         cosine=_sanity_cosine(plan.model, cpu.model, trt_model, feeds),
         widened_ranges={tensor: {"amax": r.amax, "clipped_fraction": r.clipped_fraction, "used_amax": r.observed_amax}
                         for tensor, r in plan.widened.items()},
+        sensitivity=plan.sensitivity,
     )
     _save(cpu.model, cpu_path)
     _save(trt_model, trt_path)
@@ -301,6 +310,8 @@ class _Plan:
     candidates: list[Any]
     cpu_nodes: list[str]
     trt_nodes: list[str]
+    sensitive: list[str] = field(default_factory=list)  # chosen by build.fallback.auto (also in excluded)
+    sensitivity: dict[str, Any] | None = None
 
 
 def _plan(cfg: Config, ws: ModelWorkspace, console: Console, exclude: Sequence[str], allow_stale: bool) -> _Plan:
@@ -324,7 +335,7 @@ def _plan(cfg: Config, ws: ModelWorkspace, console: Console, exclude: Sequence[s
                      "(consider calibration.overrides with method minmax for them)")
     model = onnx.load(str(ws.onnx_model))
     info = placement.check_model(model)
-    exclusions = placement.resolve_exclusions(model, list(cfg.build.fallback) + list(exclude))
+    exclusions = placement.resolve_exclusions(model, cfg.build.fallback_patterns + list(exclude))
     excluded = list(dict.fromkeys(node for nodes in exclusions.values() for node in nodes))
     candidates = placement.quantizable_nodes(model, info)
     cpu_nodes = placement.select_nodes(candidates, placement.CPU, excluded)
@@ -334,7 +345,17 @@ def _plan(cfg: Config, ws: ModelWorkspace, console: Console, exclude: Sequence[s
         raise ConfigError(f"the exclusions ({', '.join(exclusions)}) leave no Conv/Gemm/MatMul to quantize",
                           hint="exclude fewer nodes, or use the FP32 model")
     _require_ranges(model, ranges, cpu_nodes, trt_nodes)
-    return _Plan(model, ranges, widened, exclusions, excluded, candidates, cpu_nodes, trt_nodes)
+    plan = _Plan(model, ranges, widened, exclusions, excluded, candidates, cpu_nodes, trt_nodes)
+    if cfg.build.auto_fallback is not None:
+        from quantkit.sensitivity import auto_fallback
+
+        search = auto_fallback(cfg, ws, console, exclude=exclude, allow_stale=allow_stale)
+        plan.sensitive = [node for node in search.chosen if node not in excluded]
+        plan.sensitivity = search.summary()
+        plan.excluded = excluded + plan.sensitive
+        plan.cpu_nodes = placement.select_nodes(candidates, placement.CPU, plan.excluded)
+        plan.trt_nodes = placement.select_nodes(candidates, placement.TRT, plan.excluded)
+    return plan
 
 
 def describe(result: BuildResult) -> str:
@@ -343,6 +364,8 @@ def describe(result: BuildResult) -> str:
     fp32 = cpu.get("fp32", 0)
     text = (f"wrote {result.cpu_path} ({human_size(result.sizes.get('cpu', 0))}, "
             f"{cpu.get('int8', 0)} int8 / {fp32} fp32 nodes")
+    if result.sensitivity and result.sensitivity["nodes"]:
+        text += f", {len(result.sensitivity['nodes'])} kept in float by the sensitivity search"
     if result.automatic:
         text += f", {len(result.automatic)} kept in float by the speed guard"
     text += ")"
@@ -430,13 +453,13 @@ def _int8_nodes(qmodel, selected: Sequence[str]) -> set[str]:
 
 
 def node_report(candidates, excluded: Iterable[str], automatic: Iterable[str], cpu_int8: set[str],
-                trt_int8: set[str]) -> list[dict[str, Any]]:
+                trt_int8: set[str], sensitivity: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Per quantizable node: precision in each flavour it belongs to, and why it is not INT8.
 
-    Reasons: ``config`` (build.fallback / --exclude), ``automatic`` (speed guard), ``unsupported``
-    (the node cannot be quantized, with a ``detail``).
+    Reasons: ``config`` (build.fallback / --exclude), ``sensitivity`` (build.fallback.auto),
+    ``automatic`` (speed guard), ``unsupported`` (the node cannot be quantized, with a ``detail``).
     """
-    excluded, automatic = set(excluded), set(automatic)
+    excluded, automatic, sensitivity = set(excluded), set(automatic), set(sensitivity)
     report = []
     for node in candidates:
         if not node.reported:
@@ -448,7 +471,8 @@ def node_report(candidates, excluded: Iterable[str], automatic: Iterable[str], c
             if node.name in int8:
                 entry[flavour] = {"precision": "int8", "reason": None}
             elif node.name in excluded:
-                entry[flavour] = {"precision": "fp16" if flavour == "trt" else "fp32", "reason": "config"}
+                reason = "sensitivity" if node.name in sensitivity else "config"
+                entry[flavour] = {"precision": "fp16" if flavour == "trt" else "fp32", "reason": reason}
             elif flavour == "cpu" and node.name in automatic:
                 entry[flavour] = {"precision": "fp32", "reason": "automatic"}
             else:

@@ -172,8 +172,15 @@ def calibration_targets_of(model_path: Path) -> list[str]:
 
 def collect_statistics(model_path: Path, targets: list[str], dataset: Dataset, cfg: Config,
                        console: Console) -> tuple[dict[str, Any], int, int]:
-    """Stream the dataset through ORT and update one histogram per target tensor."""
-    from quantkit.calib.histogram import HistogramOverflowError, NonFiniteError, TensorStats
+    """Stream the dataset through ORT and update one histogram per target tensor.
+
+    After each run the targets' histograms are updated in parallel, one task per tensor
+    (numpy releases the GIL in the heavy loops, and ORT is idle meanwhile); the batch's
+    activations are dropped before the next run, so at most one batch of them is alive.
+    Every tensor's statistics see the batches in order, so the result does not depend on
+    the number of threads.
+    """
+    from quantkit.calib.histogram import TensorStats
 
     cal = cfg.calibration
     session = _augmented_session(model_path, targets)
@@ -181,19 +188,11 @@ def collect_statistics(model_path: Path, targets: list[str], dataset: Dataset, c
     stats = {name: TensorStats(chunk_elems=chunk_elems) for name in targets}
     samples = batches = 0
     planned = dataset.planned_samples()
-    with console.progress(planned, "calibrating", unit="img") as bar:
+    with _stats_pool(len(targets)) as pool, console.progress(planned, "calibrating", unit="img") as bar:
         for batch in _prefetch(dataset.batches(cal.batch_size, cal.remainder)):
             for sub in _split_for_memory(batch, session, targets, cal.memory_limit_mb):
                 outputs = _run(session, targets, sub.inputs, batch)
-                for name, array in zip(targets, outputs):
-                    try:
-                        stats[name].update(array)
-                    except NonFiniteError as exc:
-                        raise DataError(f"tensor {name!r} has NaN/Inf values in batch {batch.index} "
-                                        f"(files {batch.sources[0]} .. {batch.sources[-1]}): {exc}") from None
-                    except HistogramOverflowError as exc:
-                        raise DataError(f"tensor {name!r} in batch {batch.index}: {exc}; calibrate with a "
-                                        "larger first batch or use method minmax for it") from None
+                _update_stats(pool, stats, targets, outputs, batch)
                 del outputs
             samples += batch.size
             batches += 1
@@ -201,6 +200,47 @@ def collect_statistics(model_path: Path, targets: list[str], dataset: Dataset, c
     if samples == 0:
         raise DataError(f"{dataset.root}: no usable samples; refusing to calibrate on nothing")
     return stats, samples, batches
+
+
+# Histogram threads: measured 1.45x faster with 2 threads than 1 on a 2-core machine; each
+# holds ~4 MB of scratch, so more than a few buy little.
+_MAX_STATS_THREADS = 8
+
+
+def _stats_pool(tasks: int) -> ThreadPoolExecutor:
+    import os
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    return ThreadPoolExecutor(max_workers=max(1, min(cpus, tasks, _MAX_STATS_THREADS)),
+                              thread_name_prefix="quantkit-stats")
+
+
+def _update_stats(pool: ThreadPoolExecutor, stats: dict[str, Any], targets: list[str],
+                  outputs: list[np.ndarray], batch: Batch) -> None:
+    """Add one run's outputs to the statistics; errors are reported for the first failing
+    tensor in target order (a failed update leaves that tensor's statistics untouched)."""
+    from quantkit.calib.histogram import HistogramOverflowError, NonFiniteError
+
+    def update(k: int) -> Exception | None:
+        try:
+            stats[targets[k]].update(outputs[k])
+        except (NonFiniteError, HistogramOverflowError) as exc:
+            return exc
+        return None
+
+    order = sorted(range(len(targets)), key=lambda k: -np.size(outputs[k]))  # largest first: balance
+    errors = dict(zip(order, pool.map(update, order)))
+    for k, name in enumerate(targets):
+        exc = errors[k]
+        if isinstance(exc, NonFiniteError):
+            raise DataError(f"tensor {name!r} has NaN/Inf values in batch {batch.index} "
+                            f"(files {batch.sources[0]} .. {batch.sources[-1]}): {exc}") from None
+        if isinstance(exc, HistogramOverflowError):
+            raise DataError(f"tensor {name!r} in batch {batch.index}: {exc}; calibrate with a "
+                            "larger first batch or use method minmax for it") from None
 
 
 def compute_ranges(stats: dict[str, Any], cfg: Config) -> tuple[list[TensorCalibration], list[str]]:
@@ -237,7 +277,17 @@ def _method_for(name: str, cfg: Config) -> tuple[str, dict[str, Any]]:
 
 
 def _augmented_session(model_path: Path, targets: list[str]):
-    """An ORT session over the model with every target tensor exposed as a graph output."""
+    """An ORT session over the model with every target tensor exposed as a graph output.
+
+    Where ORT runs convolutions in its blocked NCHWc layout (x86 with AVX2 / AVX-512), it
+    would add a ReorderOutput copy back to NCHW for every exposed target; the returned session
+    outputs the blocked tensors themselves instead (see :func:`_without_output_reorders`):
+    the same values in another order, which histograms, min/max and counts do not see. That
+    saved ~11% per batch (ResNet-18) and the copies' memory. Anything unexpected falls back
+    to the plain augmented graph.
+    """
+    import tempfile
+
     import onnx
     import onnxruntime as ort
 
@@ -246,13 +296,109 @@ def _augmented_session(model_path: Path, targets: list[str]):
     for name in targets:
         if name not in existing:
             model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    serialized = model.SerializeToString()
+    del model
+    optimized = None
     try:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        with tempfile.TemporaryDirectory(prefix="quantkit-calib-") as tmp:
+            options = _calibration_session_options(ort)
+            options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+            try:  # the optimised graph is written during session creation
+                session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
+                optimized = onnx.load(options.optimized_model_filepath)
+            except Exception:  # noqa: BLE001 - e.g. cannot write the file: plain session below
+                session = ort.InferenceSession(serialized, _calibration_session_options(ort),
+                                               providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own types
         raise ModelError(f"{model_path}: ONNX Runtime cannot load the calibration graph: {exc}") from None
+    return (_without_output_reorders(optimized, targets, session) if optimized is not None else None) or session
+
+
+def _calibration_session_options(ort, level=None):
+    """Session options of the calibration sessions (``level`` defaults to ORT_ENABLE_ALL)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL if level is None else level
+    # With every activation a graph output, ORT's memory pattern (one pre-planned block per
+    # input shape, allocated on the second run) doubled peak RSS (ResNet-18, batch 32: 2.2 GB
+    # vs 1.1 GB) for no measurable speed; the arena alone reuses the buffers between batches.
+    options.enable_mem_pattern = False
+    # Idle ORT workers block instead of spinning: the histogram threads run right after each
+    # run, and other processes may share the cores (measured equal or faster, less CPU).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+_NCHWC_DOMAIN = "com.microsoft.nchwc"
+
+
+def _without_output_reorders(optimized, targets: list[str], plain):
+    """A session over ORT's optimised graph minus the NCHWc -> NCHW copies of target outputs.
+
+    ``ReorderOutput(x) -> target`` nodes are dropped and the blocked tensor ``x`` is renamed
+    to the target, so the target is output in blocked layout: a permutation of the NCHW
+    tensor as long as no channel padding is involved. The graph is already optimised, so it
+    is loaded with optimisations off (the same kernels run). Checked on one random sample
+    against ``plain`` (the session over the augmented graph): every target must have the
+    same element count, min and max, and sum up to rounding.
+
+    Returns:
+        The session, or None when there is nothing to drop or anything is unexpected.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    graph = optimized.graph
+    wanted = set(targets) & {o.name for o in graph.output}
+    rename: dict[str, str] = {}
+    dropped = set()
+    for index, node in enumerate(graph.node):
+        if (node.domain == _NCHWC_DOMAIN and node.op_type == "ReorderOutput" and len(node.input) == 1
+                and node.output[0] in wanted and node.input[0] not in rename):
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            if not attrs.get("channels_last", 0):
+                rename[node.input[0]] = node.output[0]
+                dropped.add(index)
+    if not rename or any(o.name in rename for o in graph.output):
+        return None
+    kept = [node for index, node in enumerate(graph.node) if index not in dropped]
+    for node in kept:
+        for k, name in enumerate(node.input):
+            node.input[k] = rename.get(name, name)
+        for k, name in enumerate(node.output):
+            node.output[k] = rename.get(name, name)
+    del graph.node[:]
+    graph.node.extend(kept)
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # a failing check is not an error: the plain session is used
+    try:
+        options = _calibration_session_options(ort, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        options.log_severity_level = 4
+        session = ort.InferenceSession(optimized.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        feed = {}
+        for arg in session.get_inputs():  # one sample; other dimensions must be fixed
+            dims = [1 if k == 0 and not isinstance(d, int) else d for k, d in enumerate(arg.shape)]
+            if arg.type != "tensor(float)" or not all(isinstance(d, int) and d > 0 for d in dims):
+                return None
+            feed[arg.name] = rng.standard_normal(dims).astype(np.float32)
+        got = [_invariants(out) for out in session.run(targets, feed, quiet)]  # one run's outputs alive
+        want = [_invariants(out) for out in plain.run(targets, feed, quiet)]
+    except Exception:  # noqa: BLE001 - the plain session is used instead
+        return None
+    for (size, lo, hi, total, scale), (size_b, lo_b, hi_b, total_b, _) in zip(got, want):
+        if size != size_b or lo != lo_b or hi != hi_b or not abs(total - total_b) <= 1e-9 * scale:
+            return None  # e.g. padded channels: the blocked tensor holds more values than the target
+    session._quantkit_blocked_outputs = sorted(rename.values())
+    return session
+
+
+def _invariants(array: np.ndarray) -> tuple[int, float, float, float, float]:
+    """Order-independent summary: size, min, max, float64 sum and sum of |x| (NaN never matches)."""
+    if array.size == 0:
+        return 0, 0.0, 0.0, 0.0, 0.0
+    return (int(array.size), float(array.min()), float(array.max()), float(array.sum(dtype=np.float64)),
+            float(np.abs(array).sum(dtype=np.float64)))
 
 
 def _run(session, targets: list[str], feed: dict[str, np.ndarray], batch: Batch) -> list[np.ndarray]:

@@ -236,6 +236,45 @@ def build_engine(ctx: click.Context, config: Path, backend: str | None, exclude:
 
 @cli.command(context_settings=CONTEXT_SETTINGS)
 @config_argument
+@click.option("--strict", is_flag=True, help="Exit 1 when the accuracy budget cannot be met within the cap.")
+@click.option("--force", is_flag=True, help="Search again even if sensitivity.json is up to date.")
+@click.option("--allow-stale", is_flag=True, help="Use a calibration whose inputs changed since it was made.")
+@json_option
+@click.pass_context
+def sensitivity(ctx: click.Context, config: Path, strict: bool, force: bool, allow_stale: bool,
+                json_out: bool) -> None:
+    """Rank CONFIG's quantizable nodes by how much INT8 hurts them on CPU and choose which to keep in float.
+
+    Settings come from build.fallback.auto (its defaults when absent). Writes sensitivity.json,
+    which build-engine applies when build.fallback.auto is enabled. An unmet budget is a warning
+    (exit 0), or exit 1 with --strict.
+
+    \b
+    Example:
+      quantkit sensitivity configs/mobilenet_v3_small.yaml --strict
+    """
+    from quantkit import sensitivity as stage
+    from quantkit.errors import QuantkitError
+
+    settings = _settings(ctx, json_out)
+    cfg = _load(config)
+    result = stage.run_sensitivity(cfg, _workspace(settings, cfg), settings.console, force=force,
+                                   allow_stale=allow_stale)
+    if json_out:
+        _emit_json(result.to_json())
+    else:
+        settings.console.result(stage.format_table(result))
+        settings.console.info(stage.describe(result))
+    if not result.met and strict:
+        raise QuantkitError(stage.unmet_message(result))
+    if not result.met:
+        settings.console.warn(stage.unmet_message(result))
+    use = "" if cfg.build.auto_fallback else " (set build.fallback.auto.enabled: true to apply the chosen nodes)"
+    settings.console.info(f"next: quantkit build-engine {config}{use}")
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@config_argument
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), help="Override build.backend.")
 @click.option("--batch-sizes", help="Comma-separated batch sizes, e.g. 1,8,32 (override bench.batch_sizes).")
 @click.option("--duration", type=float, help="Seconds of timing per run, at least (override bench.duration_s).")

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SerializationInfo, ValidationError, ValidationInfo,
+                      field_serializer, field_validator, model_validator)
 
 from quantkit.errors import ConfigError
 from quantkit.gates import Gate, parse_gate
@@ -221,11 +222,84 @@ class ProfileSection(_Section):
         return self
 
 
+class AutoFallbackSection(_Section):
+    """``build.fallback.auto``: keep the nodes whose quantization hurts most in float (docs/sensitivity.md).
+
+    The search measures on the evaluation data (``bench.data``) and picks the smallest set of
+    nodes that meets ``metric >= target`` against FP32, at most ``max_nodes`` nodes or
+    ``max_fraction`` of the quantizable nodes (10 % when neither is set).
+    """
+
+    enabled: bool = True
+    metric: Literal["top1_agreement", "cosine"] = "top1_agreement"
+    target: float = Field(default=0.99, gt=0, le=1)
+    max_fraction: float | None = Field(default=None, gt=0, le=1)
+    max_nodes: int | None = Field(default=None, ge=1)
+    candidates: int = Field(default=16, ge=1)
+    samples: int | None = Field(default=64, ge=1)
+    holdout: float = Field(default=0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "AutoFallbackSection":
+        if self.max_fraction is not None and self.max_nodes is not None:
+            raise ValueError("max_nodes and max_fraction both cap the fallback set: set one of them")
+        if self.holdout and self.samples is not None:
+            held = round(self.samples * self.holdout)
+            if held < 1 or held >= self.samples:
+                raise ValueError(f"holdout {self.holdout:g} of {self.samples} samples leaves no samples to "
+                                 f"{'report on' if held < 1 else 'select on'}")
+        return self
+
+    def cap(self, quantizable: int) -> int:
+        """The most nodes the search may keep in float, out of ``quantizable``."""
+        if self.max_nodes is not None:
+            return self.max_nodes
+        fraction = 0.10 if self.max_fraction is None else self.max_fraction
+        return int(math.floor(fraction * quantizable + 1e-9))
+
+    def search_settings(self) -> dict[str, Any]:
+        """What the search's result depends on (``enabled`` does not change it)."""
+        return self.model_dump(mode="json", exclude={"enabled"})
+
+
+class FallbackSection(_Section):
+    """``build.fallback`` in its mapping form: patterns plus the automatic search."""
+
+    nodes: list[str] = Field(default_factory=list)
+    auto: AutoFallbackSection | None = None
+
+
 class BuildSection(_Section):
     backend: Literal["auto", "onnxruntime", "tensorrt"] = "auto"
-    fallback: list[str] = Field(default_factory=list)
+    # a list of patterns (the original form) or {nodes: [...], auto: {...}}
+    fallback: FallbackSection = Field(default_factory=FallbackSection)
     workspace_mb: int = Field(default=2048, ge=1)
     profile: ProfileSection = Field(default_factory=ProfileSection)
+
+    @field_validator("fallback", mode="before")
+    @classmethod
+    def _list_form(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return {"nodes": value}
+        if value is None or not isinstance(value, (dict, FallbackSection)):
+            raise ValueError("expected a list of node patterns or a mapping {nodes: [...], auto: {...}}")
+        return value
+
+    @field_serializer("fallback")
+    def _dump_fallback(self, value: FallbackSection, info: SerializationInfo) -> Any:
+        # without auto, dump the list form: configs and build fingerprints from before auto stay equal
+        return list(value.nodes) if value.auto is None else value.model_dump(mode=info.mode)
+
+    @property
+    def fallback_patterns(self) -> list[str]:
+        """Node names, globs or op types to keep in float (``build.fallback`` or ``build.fallback.nodes``)."""
+        return list(self.fallback.nodes)
+
+    @property
+    def auto_fallback(self) -> AutoFallbackSection | None:
+        """The automatic fallback settings when enabled, else None."""
+        auto = self.fallback.auto
+        return auto if auto is not None and auto.enabled else None
 
 
 class BenchSection(_Section):

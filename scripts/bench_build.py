@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qa"), help="quantkit workdir with exported models")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--out", type=Path, default=None, help="Markdown file for the results (default: WORKDIR/bench_build.md)")
+    parser.add_argument("--docs", action="store_true", help="also replace the build section of docs/benchmarks.md")
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per timed run (trtexec default 3)")
     parser.add_argument("--repeats", type=int, default=3, help="ABBA repeats per batch size")
     parser.add_argument("--quick", action="store_true", help="1 s runs, 3 repeats, at most 128 eval samples")
@@ -76,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps([vars(r) for r in reports], indent=1, default=str), encoding="utf-8")
     print(text)
     print(f"wrote {out} and {out.with_suffix('.json')}")
+    if args.docs:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from docsection import replace_section
+
+        command = "python scripts/bench_build.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        replace_section("build", f"Command: `{command}`\n\n{text}")
     return 0 if all(r.error is None for r in reports) and not failures(reports) else 1
 
 

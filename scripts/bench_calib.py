@@ -111,17 +111,6 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores ({', '.join(extras) or 'no VNNI/AMX'}), {platform.system()}"
 
 
-def replace_section(markdown: Path, marker: str, body: str) -> None:
-    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-    text = markdown.read_text() if markdown.exists() else "# Benchmarks\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    markdown.write_text(text)
-
-
 def scale_spread(caches: dict[int, str]) -> float:
     from quantkit.calib.cache import read_trt_cache
 
@@ -199,7 +188,9 @@ def main() -> None:
                  f"**{'identical' if minmax[8] == minmax[32] else 'different'}**. The first batch fixes the "
                  "histogram bin width (later batches append bins of the same width), so only the resolution "
                  "of the search grid depends on the first batch, not the data the KL search sees.")
-    replace_section(REPO / "docs" / "benchmarks.md", "calib", "\n".join(lines))
+    from docsection import replace_section
+
+    replace_section("calib", "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -114,6 +114,91 @@ def test_memory_bound_splits_batches_without_changing_minmax(setup, tmp_path):
     assert ws_a.path("calib.cache").read_bytes() == ws_b.path("calib.cache").read_bytes()
 
 
+def test_statistics_threads_do_not_change_outputs(setup, tmp_path, monkeypatch):
+    import quantkit.calibrate as calibrate_module
+
+    make, _ = setup
+    ws_a, _ = run_stages(make(batch_size=3), tmp_path / "a")
+    monkeypatch.setattr(calibrate_module, "_MAX_STATS_THREADS", 1)
+    ws_b, _ = run_stages(make(batch_size=3), tmp_path / "b")
+    assert ws_a.path("calib.cache").read_bytes() == ws_b.path("calib.cache").read_bytes()
+    assert ws_a.path("calib.json").read_bytes() == ws_b.path("calib.json").read_bytes()
+
+
+def test_calibration_session_keeps_one_batch_of_buffers(setup, tmp_path):
+    from quantkit.calibrate import _augmented_session
+
+    make, _ = setup
+    ws, _ = run_stages(make(), tmp_path / "a")
+    session = _augmented_session(ws.onnx_model, ["x", "r1", "y"])
+    assert session.get_session_options().enable_mem_pattern is False  # see _augmented_session
+    assert [o.name for o in session.get_outputs()] == ["y", "x", "r1"]
+
+
+def residual_conv_model(path, channels: int):
+    """x[batch,3,12,12] -> Conv(c) -> Relu -> Conv(c) -> Add(skip) -> Relu -> y: ORT's NCHWc territory."""
+    rng = np.random.default_rng(2)
+    w1 = rng.normal(size=(channels, 3, 3, 3)).astype(np.float32)
+    w2 = (rng.normal(size=(channels, channels, 3, 3)) / channels).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "r1"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["y"], name="relu2"),
+    ]
+    graph = helper.make_graph(
+        nodes, "residual",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 12, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", channels, 12, 12])],
+        [onnx.numpy_helper.from_array(w1, "w1"), onnx.numpy_helper.from_array(w2, "w2")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("channels", [16, 32, 24, 8])
+def test_blocked_layout_outputs_give_identical_results(tmp_path, monkeypatch, channels):
+    """Outputs taken from ORT's blocked tensors (no ReorderOutput copies) must not change a byte."""
+    import quantkit.calibrate as calibrate_module
+
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "x.npy", np.random.default_rng(3).normal(size=(20, 3, 12, 12)).astype(np.float32))
+    residual_conv_model(tmp_path / "m.onnx", channels)
+    cfg_path = tmp_path / "m.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "name": "m",
+        "model": {"source": "onnx", "path": str(tmp_path / "m.onnx"),
+                  "inputs": [{"name": "x", "shape": ["batch", 3, 12, 12]}]},
+        "calibration": {"data": str(data), "batch_size": 8},
+        "build": {"profile": {"min": 1, "opt": 8, "max": 8}},
+        "bench": {"batch_sizes": [1, 8]},
+    }))
+    cfg = load_config(cfg_path)
+    ws_blocked, _ = run_stages(cfg, tmp_path / "blocked")
+    monkeypatch.setattr(calibrate_module, "_without_output_reorders", lambda *args: None)
+    ws_plain, _ = run_stages(cfg, tmp_path / "plain")
+    assert ws_blocked.path("calib.cache").read_bytes() == ws_plain.path("calib.cache").read_bytes()
+    assert ws_blocked.path("calib.json").read_bytes() == ws_plain.path("calib.json").read_bytes()
+    monkeypatch.undo()
+    session = calibrate_module._augmented_session(ws_blocked.onnx_model, ["x", "c1", "r1", "c2", "a", "y"])
+    blocked = getattr(session, "_quantkit_blocked_outputs", None)
+    if channels % 16 == 0 and blocked is None and "AVX512" in str(ort.get_device()):
+        pytest.fail("expected blocked outputs on this CPU")
+    if blocked is not None:  # they hold exactly the target's values (another order)
+        model = onnx.load(str(ws_blocked.onnx_model))
+        for name in ("c1", "r1", "c2", "a"):
+            model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+        plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        x = np.load(data / "x.npy")[:5]
+        names = ["c1", "r1", "c2", "a"]
+        for got, want in zip(session.run(names, {"x": x}), plain.run(names, {"x": x})):
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(np.sort(got, axis=None), np.sort(want, axis=None))
+
+
 def test_nan_in_an_activation_names_tensor_and_batch(setup, tmp_path):
     make, data = setup
     x = np.load(data / "x.npy")

@@ -123,10 +123,12 @@ def kl_divergences(
     * Both normalised; KL summed over bins with P > 0; infinite if some P > 0 has Q = 0
       (happens when bin i-1 is empty but the tail is not).
 
-    Implementation: one vectorised pass per candidate over the non-empty bins only, using
-    ``KL = (1/N) * sum_j P_j log(P_j / Q_j) + log(S / N)`` (N = total, S = sum(bins[:i]) = sum
-    of unnormalised Q), which keeps every term a small, well-conditioned log ratio instead of
-    subtracting large ``x log x`` sums.
+    Implementation: ``KL = (1/N) * sum_j P_j log(P_j / Q_j) + log(S / N)`` over the non-empty
+    bins only (N = total, S = sum(bins[:i]) = sum of unnormalised Q), which keeps every term
+    a small, well-conditioned log ratio instead of subtracting large ``x log x`` sums. The
+    ratios and logs of many candidates are computed at once (see :func:`_kl_block`); only
+    the final per-candidate dot product is a call per candidate, so the values are
+    bit-identical to evaluating each candidate on its own.
 
     Args:
         hist: |x| histogram counts (non-negative integers).
@@ -147,37 +149,58 @@ def kl_divergences(
     total = int(h.sum())
     cum = np.concatenate(([0], np.cumsum(h)))  # cum[i] = sum(h[:i]), exact int64
     cum_nz = np.concatenate(([0], np.cumsum(h > 0)))  # non-empty bins among h[:i]
-    nz = np.flatnonzero(h)
-    nz_counts = h[nz].astype(np.float64)
-    nz_scaled = nz.astype(np.float64) * nq  # j * nq, exact in float64
-    level_ids = np.arange(nq + 1, dtype=np.int64)
+    nz_counts = h[np.flatnonzero(h)].astype(np.float64)
 
     cands = _candidates(h.size, start_bin, stride)
-    kl = np.empty(cands.size, dtype=np.float64)
-    for c, i in enumerate(cands.tolist()):
-        kl[c] = _kl_one(i, h, total, cum, cum_nz, nz, nz_counts, nz_scaled, level_ids, nq)
+    kl = np.full(cands.size, math.inf, dtype=np.float64)
+    tails = total - cum[cands]
+    # P[i-1] = tail > 0 but Q[i-1] = 0 (empty bins stay empty): KL is infinite.
+    finite = np.flatnonzero((h[cands - 1] > 0) | (tails == 0))
+    # Blocks of candidates whose non-empty bins total about _KL_BLOCK_ELEMS (cache-sized).
+    ends = np.cumsum(cum_nz[cands[finite]])
+    start = 0
+    while start < finite.size:
+        done = int(ends[start - 1]) if start else 0
+        stop = max(start + 1, int(np.searchsorted(ends, done + _KL_BLOCK_ELEMS, side="right")))
+        rows = finite[start:stop]
+        kl[rows] = _kl_block(cands[rows], tails[rows], total, cum, cum_nz, nz_counts, nq)
+        start = stop
     return cands, kl
 
 
-def _kl_one(i, h, total, cum, cum_nz, nz, nz_counts, nz_scaled, level_ids, nq) -> float:
-    """KL(P||Q) for one candidate i (see :func:`kl_divergences`)."""
-    tail = total - int(cum[i])
-    if h[i - 1] == 0 and tail > 0:
-        return math.inf  # P[i-1] = tail > 0 but Q[i-1] = 0 (empty bins stay empty)
-    k = int(np.searchsorted(nz, i))  # non-empty bins below i
-    # Level l covers bins [ceil(l*i/nq), ceil((l+1)*i/nq)); exact integer arithmetic.
-    bounds = (level_ids * i + (nq - 1)) // nq
-    mass = np.diff(cum[bounds]).astype(np.float64)
-    filled = np.diff(cum_nz[bounds])
+# Candidate blocks of about this many (candidate, non-empty bin) pairs: two float64 work
+# arrays of this size stay in cache (measured fastest among 2**14..2**20).
+_KL_BLOCK_ELEMS = 1 << 16
+
+
+def _kl_block(i, tail, total, cum, cum_nz, nz_counts, nq) -> list[float]:
+    """KL(P||Q) for the candidates ``i`` (all with a finite KL), see :func:`kl_divergences`.
+
+    The non-empty bins below each candidate are laid out back to back in one flat array.
+    Level l of candidate i covers bins [ceil(l*i/nq), ceil((l+1)*i/nq)) (exact integer
+    arithmetic); the non-empty bin j lies in level floor(j*nq/i), so the levels' non-empty
+    counts, repeated in order, give every bin its level's Q.
+    """
+    bounds = np.arange(nq + 1, dtype=np.int64) * i[:, None]
+    bounds += nq - 1
+    bounds //= nq
+    mass = np.diff(cum[bounds], axis=1).astype(np.float64)
+    filled = np.diff(cum_nz[bounds], axis=1)
     level_q = np.divide(mass, filled, out=np.zeros_like(mass), where=filled > 0)
-    # floor(j*nq/i): float64 division of exact integers is exact enough to floor correctly.
-    levels = (nz_scaled[:k] / i).astype(np.intp)
-    q = level_q[levels]
-    p = nz_counts[:k]
-    if tail:
-        p = p.copy()
-        p[-1] += tail  # bin i-1 is non-empty here (checked above), so it is nz[k-1]
-    return float(np.dot(p, np.log(p / q))) / total + math.log(int(cum[i]) / total)
+    q = np.repeat(level_q.ravel(), filled.ravel())  # Q of every non-empty bin below i, per row
+    k = cum_nz[i]  # non-empty bins below each i (>= 1: bin i-1 or, without tail, some bin)
+    p = np.concatenate([nz_counts[:kk] for kk in k.tolist()])
+    ends = np.cumsum(k)
+    with_tail = np.flatnonzero(tail > 0)
+    p[ends[with_tail] - 1] += tail[with_tail].astype(np.float64)  # bin i-1, non-empty here
+    ratio = np.divide(p, q, out=q)
+    np.log(ratio, out=ratio)
+    out = []
+    dot, log, begin = np.dot, math.log, 0
+    for end, below in zip(ends.tolist(), cum[i].tolist()):
+        out.append(float(dot(p[begin:end], ratio[begin:end])) / total + log(below / total))
+        begin = end
+    return out
 
 
 def _pick_last_min(values: np.ndarray, tie_tol: float) -> int:

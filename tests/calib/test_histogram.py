@@ -307,3 +307,86 @@ def test_edges_hit_first_amax_exactly():
     assert s.edge(s.num_bins) == s.first_amax == s.amax
     assert s.bin_edges()[-1] == s.first_amax
     assert s.edge(500) == pytest.approx(s.first_amax / 2)
+
+
+# ----------------------------------------------------------------------------- fast paths
+def _two_pass(monkeypatch):
+    """Force the whole-batch min/max scan + binning path (the one the first batch takes)."""
+    monkeypatch.setattr(TensorStats, "_histogram_fixed_width", lambda self, arr: None)
+
+
+def _later_batches(seed: int) -> list[np.ndarray]:
+    """Batches after a first one of _gauss(..) scale: growth, edge values, zeros, -0.0, dtypes."""
+    rng = np.random.default_rng(seed)
+    x = _gauss(70_000, seed=seed)
+    edge = np.array([1.0, -1.0, np.nextafter(1.0, 0.0), np.nextafter(1.0, 2.0), 1.0001], dtype=np.float32)
+    return [
+        x * 0.5,
+        x * 3,  # grows the histogram, clip "some"
+        np.concatenate([x[:1000] * 0.1, -np.zeros(500, dtype=np.float32), np.zeros(7, dtype=np.float32)]),
+        (x * 2).astype(np.float64).reshape(70, 1000)[:, ::3],  # float64, non-contiguous
+        (x * 20).astype(np.int32),
+        rng.choice(edge, 5000),  # values at / around first_amax after rescaling below
+    ]
+
+
+@pytest.mark.parametrize("chunk", [999, 1 << 16, 1 << 24])
+def test_fixed_width_single_pass_equals_two_pass_scan(monkeypatch, chunk):
+    first = _gauss(100_000, seed=20)
+    fast = TensorStats(chunk_elems=chunk)
+    fast.update(first)
+    batches = _later_batches(21)
+    batches[-1] = batches[-1] * np.float32(fast.first_amax)  # exactly first_amax and neighbours
+    for batch in batches:
+        fast.update(batch)
+    assert fast.nbins > fast.num_bins  # growth happened
+    _two_pass(monkeypatch)
+    slow = TensorStats(chunk_elems=chunk)
+    for batch in [first, *batches]:
+        slow.update(batch)
+    assert _state(fast) == _state(slow)
+
+
+def test_fixed_width_errors_match_the_two_pass_path(monkeypatch):
+    def run(batch):
+        s = TensorStats(chunk_elems=1000, max_bins=4096)
+        s.update(_gauss(5000))
+        before = _state(s)
+        with pytest.raises((NonFiniteError, HistogramOverflowError)) as info:
+            s.update(batch)
+        assert _state(s) == before  # untouched
+        return type(info.value), str(info.value)
+
+    overflow_then_nan = _gauss(5000, seed=1)
+    overflow_then_nan[10] = 1e6  # a block that would overflow max_bins ...
+    overflow_then_nan[[3000, 4000]] = np.nan  # ... before later blocks holding NaN
+    overflow = _gauss(5000, seed=2)
+    overflow[4500] = -1e6
+    wide = np.array([1.0, 1e300, np.nan], dtype=np.float64)  # float64 beyond float32, and NaN
+    fast = [run(b) for b in (overflow_then_nan, overflow, wide)]
+    _two_pass(monkeypatch)
+    assert fast == [run(b) for b in (overflow_then_nan, overflow, wide)]
+    assert fast[0][0] is NonFiniteError and "2 non-finite value(s) out of 5000" in fast[0][1]
+    assert fast[1][0] is HistogramOverflowError
+
+
+def test_intp_indices_beyond_int32_give_the_same_counts(monkeypatch):
+    import quantkit.calib.histogram as H
+
+    batches = [_gauss(50_000, seed=30), *_later_batches(31)[:3]]
+    ref = TensorStats()
+    for batch in batches:
+        ref.update(batch)
+    monkeypatch.setattr(H, "_INT32_MAX", 100)  # every update takes the intp index path
+    wide = TensorStats()
+    for batch in batches:
+        wide.update(batch)
+    assert _state(wide) == _state(ref)
+
+
+def test_negative_zero_counts_as_zero():
+    s = TensorStats()
+    s.update(np.array([1.0, -0.0, 0.0], dtype=np.float32))
+    s.update(np.array([-0.0, -0.0, 2.0, 1e-45], dtype=np.float32))  # 1e-45: denormal, not zero
+    assert s.zero_count == 4 and s.count == 7
+    assert s.min == -0.0 and s.max == 2.0
