@@ -147,6 +147,12 @@ class ExportSection(_Section):
     simplify: bool = True
     parity: ParitySection = Field(default_factory=ParitySection)
     reestimate_batchnorm: int = Field(default=0, ge=0)
+    batchnorm_data: str | None = None
+
+    @field_validator("batchnorm_data")
+    @classmethod
+    def _existing_bn_data(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return _resolve_path(value, info)
 
 
 class PreprocessSection(_Section):

@@ -76,7 +76,7 @@ def export_fingerprint(cfg: Config, ws: ModelWorkspace | None = None) -> dict[st
         "torchvision": _dist_version("torchvision") if model.source == "torchvision" else None,
     }
     if cfg.export.reestimate_batchnorm:
-        fingerprint["batchnorm_data"] = _calibration_dataset(cfg).fingerprint()
+        fingerprint["batchnorm_data"] = _batchnorm_dataset(cfg).fingerprint()
     return fingerprint
 
 
@@ -132,7 +132,7 @@ def _export_torch(cfg: Config, ws: ModelWorkspace, console: Console) -> list[Out
     module = build_torch_module(cfg)
     dataset = _calibration_dataset(cfg)
     if cfg.export.reestimate_batchnorm:
-        reestimate_batchnorm(module, dataset, cfg.export.reestimate_batchnorm, cfg.calibration.batch_size, console)
+        reestimate_batchnorm(module, _batchnorm_dataset(cfg), cfg.export.reestimate_batchnorm, cfg.calibration.batch_size, console)
     module.eval()
     samples = _parity_batch(dataset, cfg.export.parity.samples)
     example = tuple(torch.from_numpy(samples[spec.name]) for spec in cfg.model.inputs)
@@ -404,6 +404,13 @@ def _calibration_dataset(cfg: Config) -> Dataset:
     cal = cfg.calibration
     return open_dataset(cal.data, cfg.model.inputs, fmt=cal.format, preprocess=cal.preprocess,
                         max_samples=cal.max_samples, on_bad_file=cal.on_bad_file)
+
+
+def _batchnorm_dataset(cfg: Config) -> Dataset:
+    """The data for BatchNorm re-estimation: export.batchnorm_data, else the calibration data."""
+    cal = cfg.calibration
+    path = cfg.export.batchnorm_data or cal.data
+    return open_dataset(path, cfg.model.inputs, fmt=cal.format, preprocess=cal.preprocess, on_bad_file=cal.on_bad_file)
 
 
 def _parity_batch(dataset: Dataset, count: int) -> dict[str, np.ndarray]:
