@@ -29,6 +29,7 @@ from quantkit.errors import DataError, MissingArtifactError, QuantkitError
 from quantkit.ui import Console
 
 MANIFEST = "sensitivity.json"
+_NOT_STORED = ("reused", "path")
 CALIBRATION = "calib.json"
 #: Batch of the local pass (many intermediate tensors are alive at once), at most.
 LOCAL_BATCH = 8
@@ -66,17 +67,19 @@ class SensitivityResult:
     evaluations: int
     seconds: float
     notes: list[str] = field(default_factory=list)
-    reused: bool = False
+    reused: bool = False  # read back from a fresh sensitivity.json (not stored)
+    path: str = ""  # where sensitivity.json is (not stored)
 
     def to_json(self) -> dict[str, Any]:
         payload = asdict(self)
-        payload.pop("reused")
+        for key in _NOT_STORED:
+            payload.pop(key)
         return payload
 
     @classmethod
-    def from_json(cls, details: dict[str, Any]) -> "SensitivityResult":
-        fields = {key: details[key] for key in cls.__dataclass_fields__ if key in details and key != "reused"}
-        return cls(**fields, reused=True)
+    def from_json(cls, details: dict[str, Any], path: str = "") -> "SensitivityResult":
+        fields = {key: details[key] for key in cls.__dataclass_fields__ if key in details and key not in _NOT_STORED}
+        return cls(**fields, reused=True, path=path)
 
     def summary(self) -> dict[str, Any]:
         """The part ``build.json`` records."""
@@ -142,10 +145,16 @@ def run_sensitivity(cfg: Config, ws: ModelWorkspace, console: Console, *, exclud
     """
     fingerprint = sensitivity_fingerprint(cfg, ws, exclude)
     if not force and ws.staleness(MANIFEST, fingerprint) is None:
-        result = SensitivityResult.from_json(dict(Manifest.read(ws.path(MANIFEST)).details))
-        console.info(f"sensitivity: reusing {ws.path(MANIFEST)} (inputs unchanged)")
-        return result
+        try:
+            details = dict(Manifest.read(ws.path(MANIFEST)).details)
+            result = SensitivityResult.from_json(details, str(ws.path(MANIFEST)))
+        except TypeError:  # written by another version of this module: search again
+            result = None
+        if result is not None:
+            console.info(f"sensitivity: reusing {ws.path(MANIFEST)} (inputs unchanged)")
+            return result
     result = _search(cfg, ws, console, exclude, allow_stale)
+    result.path = str(ws.path(MANIFEST))
     ws.write_manifest(MANIFEST, Manifest(stage="sensitivity", fingerprint=fingerprint, outputs={},
                                          versions=library_versions(), details=result.to_json()))
     return result
@@ -156,7 +165,9 @@ def auto_fallback(cfg: Config, ws: ModelWorkspace, console: Console, *, exclude:
     """The search for ``build-engine`` (``build.fallback.auto`` enabled); warns when the budget is not met."""
     result = run_sensitivity(cfg, ws, console, exclude=exclude, allow_stale=allow_stale)
     if not result.met:
-        console.warn(unmet_message(result) + "; building with the best set found within the cap")
+        using = (f"building with those {len(result.chosen)} node(s) in float" if result.chosen else
+                 f"building without automatic fallback (no set within the cap raised {result.metric})")
+        console.warn(f"{unmet_message(result)}; {using}")
     return result
 
 
@@ -172,7 +183,8 @@ def unmet_message(result: SensitivityResult) -> str:
 
 def describe(result: SensitivityResult) -> str:
     """One summary line for the terminal."""
-    where = "reused" if result.reused else f"in {result.seconds:.1f} s, {result.evaluations} candidate models"
+    where = (f"reused {result.path}" if result.reused else
+             f"wrote {result.path or MANIFEST} in {result.seconds:.1f} s, {result.evaluations} candidate models")
     base, final = result.baseline.get(result.metric), result.final.get(result.metric)
     if not result.chosen and result.met:
         text = f"all-INT8 meets {result.metric} >= {result.target:g} ({_fmt(base)}): no fallback needed"
@@ -182,8 +194,9 @@ def describe(result: SensitivityResult) -> str:
                 f"({_percent(len(result.chosen), result.quantizable)}, cap {result.cap}): {result.metric} "
                 f"{_fmt(base)} -> {_fmt(final)}, {verdict} >= {result.target:g}")
     if result.holdout:
-        text += (f"; held-out {result.samples.get('holdout')} samples: {_fmt(result.holdout['baseline'].get(result.metric))}"
-                 f" -> {_fmt(result.holdout['final'].get(result.metric))}")
+        held = result.holdout
+        text += (f"; held-out {result.samples.get('holdout')} samples: {_fmt(held['baseline'].get(result.metric))}"
+                 f" -> {_fmt(held['final'].get(result.metric))}")
     return f"{text} ({where})"
 
 
@@ -207,80 +220,109 @@ def format_table(result: SensitivityResult) -> str:
 # --------------------------------------------------------------------------- the search
 
 
-def _search(cfg: Config, ws: ModelWorkspace, console: Console, exclude: Sequence[str],
-            allow_stale: bool) -> SensitivityResult:
+@dataclass
+class _Problem:
+    """The model, its ranges and which nodes the CPU flavour quantizes (after the config's exclusions)."""
+
+    model: Any
+    ranges: dict[str, Any]
+    excluded: list[str]  # build.fallback patterns and --exclude, resolved
+    quantized: list[str]  # what the CPU flavour quantizes without any fallback
+    searchable: list[str]  # quantized nodes with their own Q/DQ (pass-through ops follow their input)
+    op_types: dict[str, str]
+
+    def with_float(self, float_set: Sequence[str]):
+        """The CPU flavour with ``float_set`` kept in float as well (a ModelProto, in memory)."""
+        from quantkit.qdq.cpu import write_cpu_qdq
+
+        keep = set(float_set)
+        return write_cpu_qdq(self.model, self.ranges, [n for n in self.quantized if n not in keep],
+                             self.excluded + list(float_set))
+
+
+def _problem(cfg: Config, ws: ModelWorkspace, exclude: Sequence[str], allow_stale: bool) -> _Problem:
     import onnx
 
     from quantkit.build import require_fresh_calibration
     from quantkit.qdq import load_ranges, placement, widen_overclipped
-    from quantkit.qdq.cpu import write_cpu_qdq
-    from quantkit.qdq.fallback_search import OutputScorer, adjacent_nodes, check_metric, search_fallback
-    from quantkit.qdq.sensitivity_metrics import local_errors, rank_by_local_error
 
-    start = time.perf_counter()
-    settings = auto_settings(cfg)
     if not ws.onnx_model.exists():
         raise MissingArtifactError(f"model not found: {ws.onnx_model} does not exist",
                                    hint="run 'quantkit export CONFIG' first")
     if not allow_stale:
         require_fresh_calibration(cfg, ws)
-    ranges, _ = widen_overclipped(load_ranges(ws.path(CALIBRATION)))
+    ranges, _ = widen_overclipped(load_ranges(ws.path(CALIBRATION)))  # as the build does
     model = onnx.load(str(ws.onnx_model))
     info = placement.check_model(model)
-    excluded = [n for nodes in placement.resolve_exclusions(model, cfg.build.fallback_patterns + list(exclude)).values()
-                for n in nodes]
+    patterns = cfg.build.fallback_patterns + list(exclude)
+    excluded = list(dict.fromkeys(n for nodes in placement.resolve_exclusions(model, patterns).values() for n in nodes))
     candidates = placement.quantizable_nodes(model, info)
     quantized = placement.select_nodes(candidates, placement.CPU, excluded)
-    quantized_set = set(quantized)
-    searchable = [c.name for c in candidates if c.reported and c.name in quantized_set]
-    cap = min(settings.cap(len(searchable)), len(searchable))
+    chosen = set(quantized)
+    searchable = [c.name for c in candidates if c.reported and c.name in chosen]
+    return _Problem(model, ranges, excluded, quantized, searchable, {c.name: c.op_type for c in candidates})
+
+
+def _search(cfg: Config, ws: ModelWorkspace, console: Console, exclude: Sequence[str],
+            allow_stale: bool) -> SensitivityResult:
+    from quantkit.qdq.fallback_search import OutputScorer, adjacent_nodes, check_metric, search_fallback
+    from quantkit.qdq.sensitivity_metrics import local_errors, rank_by_local_error
+
+    start = time.perf_counter()
+    settings = auto_settings(cfg)
+    problem = _problem(cfg, ws, exclude, allow_stale)
+    count = len(problem.searchable)
+    cap = min(settings.cap(count), count)
     select, holdout, data_path, notes = evaluation_batches(cfg, settings)
-    console.info(f"sensitivity: {len(searchable)} quantizable nodes, budget {settings.metric} >= {settings.target:g}, "
+    console.info(f"sensitivity: {count} quantizable nodes, budget {settings.metric} >= {settings.target:g}, "
                  f"cap {cap} in float; {_count(select)} samples from {data_path}"
                  + (f" (+{_count(holdout)} held out)" if holdout else ""))
-
-    def build_with_float(float_set: Sequence[str]):
-        keep = set(float_set)
-        return write_cpu_qdq(model, ranges, [n for n in quantized if n not in keep], excluded + list(float_set))
-
-    scorer = OutputScorer(model, select, THREADS)
+    scorer = OutputScorer(problem.model, select, THREADS)
     check_metric(settings.metric, scorer)
-    all_int8 = build_with_float([])
+    all_int8 = problem.with_float([])
     tick = time.perf_counter()
-    errors = local_errors(model, all_int8, searchable, _rebatch(select, LOCAL_BATCH, cfg), THREADS)
+    errors = local_errors(problem.model, all_int8, problem.searchable, _rebatch(select, LOCAL_BATCH, cfg), THREADS)
     console.info(f"sensitivity: local error of {len(errors)} nodes in {time.perf_counter() - tick:.1f} s")
-    ranked = rank_by_local_error(errors)
-    neighbours = adjacent_nodes(model, searchable)
+    measured = {e.name for e in errors}
+    ranked = rank_by_local_error(errors) + [n for n in problem.searchable if n not in measured]  # unmeasured last
     with console.progress(None, "sensitivity", unit="model") as bar:
         def score_set(float_set: Sequence[str]):
-            score = scorer.score(all_int8 if not float_set else build_with_float(float_set))
+            score = scorer.score(problem.with_float(float_set) if float_set else all_int8)
             bar.update(1)
             return score
 
         search = search_fallback(score_set, ranked, metric=settings.metric, target=settings.target, cap=cap,
-                                 candidates=settings.candidates, neighbours=neighbours, on_step=console.detail)
+                                 candidates=settings.candidates, on_step=console.detail,
+                                 neighbours=adjacent_nodes(problem.model, problem.searchable))
     held = None
     if holdout:
-        held_scorer = OutputScorer(model, holdout, THREADS)
-        held = {"baseline": held_scorer.score(all_int8).to_json(),
-                "final": held_scorer.score(build_with_float(search.chosen)).to_json() if search.chosen
-                else held_scorer.score(all_int8).to_json()}
-    rank = {name: index + 1 for index, name in enumerate(ranked)}
-    local = {e.name: e.to_json() for e in errors}
-    kinds = {c.name: c.op_type for c in candidates}
-    rows = [{"name": name, "op_type": kinds[name], **{k: v for k, v in local.get(name, {}).items()
-                                                      if k not in ("name", "op_type")},
-             "rank": rank.get(name), "leave_one_out": search.leave_one_out[name].to_json()
-             if name in search.leave_one_out else None, "chosen": name in search.chosen} for name in searchable]
+        held_scorer = OutputScorer(problem.model, holdout, THREADS)
+        final = problem.with_float(search.chosen) if search.chosen else all_int8
+        held = {"baseline": held_scorer.score(all_int8).to_json(), "final": held_scorer.score(final).to_json()}
     failed = [name for name, score in search.leave_one_out.items() if score.error]
     if failed:
         notes.append(f"{len(failed)} candidate model(s) were refused by ONNX Runtime and skipped "
                      f"(e.g. {failed[0]!r}: {search.leave_one_out[failed[0]].error})")
     return SensitivityResult(
-        metric=settings.metric, target=settings.target, cap=cap, quantizable=len(searchable), chosen=search.chosen,
-        met=search.met, baseline=search.baseline.to_json(), final=search.final.to_json(), holdout=held, nodes=rows,
-        steps=search.steps, samples={"select": _count(select), "holdout": _count(holdout), "data": data_path},
+        metric=settings.metric, target=settings.target, cap=cap, quantizable=count, chosen=search.chosen,
+        met=search.met, baseline=search.baseline.to_json(), final=search.final.to_json(), holdout=held,
+        nodes=_node_rows(problem, errors, ranked, search), steps=search.steps,
+        samples={"select": _count(select), "holdout": _count(holdout), "data": data_path},
         evaluations=scorer.evaluations, seconds=round(time.perf_counter() - start, 2), notes=notes)
+
+
+def _node_rows(problem: _Problem, errors, ranked: Sequence[str], search) -> list[dict[str, Any]]:
+    """One row per searchable node: local figures, rank, leave-one-out score, chosen."""
+    rank = {name: index + 1 for index, name in enumerate(ranked)}
+    local = {e.name: e.to_json() for e in errors}
+    rows = []
+    for name in problem.searchable:
+        row = {"name": name, "op_type": problem.op_types[name]}
+        row.update({k: v for k, v in local.get(name, {}).items() if k not in ("name", "op_type")})
+        loo = search.leave_one_out.get(name)
+        row.update(rank=rank.get(name), leave_one_out=loo.to_json() if loo else None, chosen=name in search.chosen)
+        rows.append(row)
+    return rows
 
 
 def _eval_dataset(cfg: Config, samples: int | None):

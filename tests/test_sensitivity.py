@@ -138,6 +138,14 @@ def test_a_fresh_result_is_reused_and_a_stale_one_recomputed(tmp_path, monkeypat
     assert not sensitivity.run_sensitivity(cfg2, ws, QUIET).reused
 
 
+def test_a_result_written_by_another_version_is_recomputed(tmp_path):
+    _, cfg, ws = make_project(tmp_path, fragile_cnn(), auto=COSINE_BUDGET)
+    ws.write_manifest(sensitivity.MANIFEST, Manifest("sensitivity", sensitivity.sensitivity_fingerprint(cfg, ws), {},
+                                                     {}, {"chosen": ["conv2"]}))
+    result = sensitivity.run_sensitivity(cfg, ws, QUIET)
+    assert not result.reused and result.nodes
+
+
 def test_budget_met_by_all_int8_means_no_fallback(tmp_path):
     _, cfg, ws = make_project(tmp_path, tiny.residual_cnn(), auto={"metric": "cosine", "target": 0.9})
     result = sensitivity.run_sensitivity(cfg, ws, QUIET)

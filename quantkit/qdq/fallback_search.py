@@ -11,8 +11,8 @@
   3. greedy forward steps: try adding each of the ``beam`` best remaining nodes (by their
      leave-one-out result) and the graph neighbours of the nodes already chosen -- two adjacent
      float nodes also drop the Q/DQ pair between them, which leave-one-out cannot see -- and keep
-     the one with the highest output cosine; stop when the budget is met, the cap is reached or
-     no trial raises the cosine;
+     the one with the highest output cosine, even when that is lower than before (a float region
+     often pays only once it is complete); stop when the budget is met or the cap is reached;
   4. if the budget is met, drop every chosen node whose removal still meets it; if not, keep the
      state of the greedy path with the best budget figure (fewest nodes on ties) -- possibly none.
 
@@ -192,12 +192,11 @@ def search_fallback(score_set: Callable[[Sequence[str]], Score], ranked: Sequenc
         scores = {node: result.leave_one_out[node] if not current and node in result.leave_one_out
                   else score_set(current + [node]) for node in trials}
         best = max(trials, key=lambda n: _key(scores[n], metric))
-        improves = scores[best].cosine > current_score.cosine
-        result.steps.append({"action": "add", "tried": len(trials), "node": best, "score": scores[best].to_json(),
-                             "accepted": bool(improves)})
-        if not improves:
-            say(f"no candidate improves on cosine {current_score.cosine:.4f}: stopping at {len(current)} node(s)")
+        if scores[best].error is not None:
             break
+        # a step that does not raise the cosine is still taken: gains often come only once a whole
+        # stage is in float (its Q/DQ pairs all gone); the final choice is made on the path below
+        result.steps.append({"action": "add", "tried": len(trials), "node": best, "score": scores[best].to_json()})
         current = current + [best]
         current_score = scores[best]
         path.append((current, current_score))
