@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from quantkit import __version__
 from quantkit.cli import cli
 
-COMMANDS = ["validate", "export", "calibrate", "build-engine", "bench", "run"]
+COMMANDS = ["validate", "export", "calibrate", "build-engine", "bench", "run", "sensitivity"]
 
 
 def invoke(*args, env=None):
