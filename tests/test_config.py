@@ -43,6 +43,7 @@ BAD_CONFIGS = [
     ({"export.reestimate_batchnorm": 8, "model.source": "onnx", "model.factory": None, "model.path": "config.yaml"},
      "export.reestimate_batchnorm needs a PyTorch model"),
     ({"model": None}, "model: required key is missing"),
+    ({"export.batchnorm_data": "no/such/photos"}, "export.batchnorm_data: path does not exist"),
 ]
 
 

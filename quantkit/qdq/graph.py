@@ -28,6 +28,18 @@ def consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     return result
 
 
+def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """A copy of ``model`` that also outputs the tensors ``names`` (for probing intermediate values)."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    existing = {vi.name for vi in probe.graph.output}
+    for name in names:
+        if name not in existing:
+            probe.graph.output.append(onnx.ValueInfoProto(name=name))
+            existing.add(name)
+    return probe
+
+
 def constant_value(model: onnx.ModelProto, name: str) -> np.ndarray | None:
     """The value of an initializer or Constant-node output, else None."""
     for init in model.graph.initializer:

@@ -288,13 +288,9 @@ def _folded_output(tensor: str, read_by: Mapping[str, list], seen: Mapping[str, 
 def _probe_session(model: onnx.ModelProto, tensors: Sequence[str], threads: int):
     import onnxruntime as ort
 
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    existing = {vi.name for vi in probe.graph.output}
-    for name in tensors:
-        if name not in existing:
-            probe.graph.output.append(onnx.ValueInfoProto(name=name))
-            existing.add(name)
+    from quantkit.qdq.graph import with_outputs
+
+    probe = with_outputs(model, tensors)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1

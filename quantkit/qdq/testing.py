@@ -122,12 +122,9 @@ def minmax_ranges(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.ndar
     from quantkit.qdq.placement import calibration_targets
 
     names = list(names) if names is not None else calibration_targets(model)
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    existing = {vi.name for vi in probe.graph.output}
-    for name in names:
-        if name not in existing:
-            probe.graph.output.append(onnx.ValueInfoProto(name=name))
+    from quantkit.qdq.graph import with_outputs
+
+    probe = with_outputs(model, names)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
