@@ -20,7 +20,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from quantkit.artifacts import Manifest, ModelWorkspace, atomic_path, library_versions, sha256_file
+from quantkit.artifacts import (Manifest, ModelWorkspace, atomic_path, fingerprint_hash, library_versions,
+                                sha256_file)
 from quantkit.config import Config
 from quantkit.errors import ConfigError, MissingArtifactError, ModelError, NotAvailableError, StaleArtifactError
 from quantkit.ui import Console, human_size
@@ -260,7 +261,9 @@ def build_engine(cfg: Config, ws: ModelWorkspace, console: Console, *, backend: 
     feeds = timing_feeds(cfg, console) if guard else None
 
     console.info(f"writing the CPU flavour ({len(plan.cpu_nodes)} nodes quantized, {len(plan.excluded)} excluded)")
-    cpu = ort_build.build_cpu_artifact(plan.model, plan.ranges, plan.cpu_nodes, plan.excluded, feeds, console)
+    cpu = ort_build.build_cpu_artifact(plan.model, plan.ranges, plan.cpu_nodes, plan.excluded, feeds, console,
+                                       extra_feeds=_smaller_batches(cfg, feeds),
+                                       reuse=previous_guard_choice(ws, fingerprint) if feeds is not None else None)
     trt_fp16 = [node for node in plan.excluded if any(c.name == node and c.trt for c in plan.candidates)]
     trt_model = write_trt_qdq(plan.model, plan.ranges, plan.trt_nodes, trt_fp16)
     problems = check_trt_qdq(trt_model)
@@ -372,6 +375,7 @@ def describe(result: BuildResult) -> str:
     if result.timing is not None:
         t = result.timing
         text += f", INT8 {t.speedup:.2f}x FP32 at batch {t.batch} ({t.int8_ms:.1f} vs {t.fp32_ms:.1f} ms)"
+        text += "".join(f", {row[2]:.2f}x at batch {b}" for b, row in t.by_batch.items() if b != t.batch)
     text += (f" and {result.trt_path.name} (TensorRT rules OK, {len(result.trt_fp16)} FP16 nodes) "
              f"in {result.seconds:.1f} s; next: quantkit bench CONFIG")
     return text
@@ -430,6 +434,31 @@ def timing_feeds(cfg: Config, console: Console) -> dict[str, np.ndarray]:
     if first.inputs and next(iter(first.inputs.values())).shape[0] < batch:
         console.detail(f"timing batch repeats {next(iter(first.inputs.values())).shape[0]} samples to {batch}")
     return feeds
+
+
+def _smaller_batches(cfg: Config, feeds: Mapping[str, np.ndarray] | None) -> list[dict[str, np.ndarray]]:
+    """The timing batch cut to ``build.profile.min`` (when smaller than opt): INT8 must not lose there either."""
+    smallest = cfg.build.profile.min
+    if feeds is None or smallest >= cfg.build.profile.opt:
+        return []
+    return [{name: np.ascontiguousarray(array[:smallest]) for name, array in feeds.items()}]
+
+
+def previous_guard_choice(ws: ModelWorkspace, fingerprint: Mapping[str, Any]) -> list[str] | None:
+    """The speed guard's automatic float nodes from an earlier build with the same fingerprint, else None.
+
+    Reusing them keeps rebuilds byte-identical although the guard decides by timing.
+    """
+    if not ws.path(MANIFEST).exists():
+        return None
+    try:
+        previous = Manifest.read(ws.path(MANIFEST))
+        cpu = previous.details["cpu"]
+        if fingerprint_hash(previous.fingerprint) != fingerprint_hash(fingerprint) or cpu["speed_guard"] is None:
+            return None
+        return [str(name) for name in cpu["automatic_fallback"]]
+    except Exception:  # an unreadable or older build.json: search again
+        return None
 
 
 def _sanity_cosine(model, cpu_model, trt_model, feeds: Mapping[str, np.ndarray] | None) -> dict[str, float]:

@@ -172,11 +172,18 @@ def test_excluding_everything_is_refused(tmp_path, no_freshness_check):
         build.build_engine(cfg, ws, Console(verbosity=-1), exclude=["Conv", "Gemm"], guard=False)
 
 
+def _many(fp32_ms, full_ms, candidate_ms):
+    """A fake compare_many over [FP32, all-INT8, candidates...]: fixed medians, speedups vs FP32."""
+    def fake(sessions, feeds, budget_s, **_):
+        medians = [fp32_ms, full_ms] + [candidate_ms] * (len(sessions) - 2)
+        return medians, [fp32_ms / m for m in medians], 3
+    return fake
+
+
 def test_speed_guard_keeps_a_losing_stage_in_float(tmp_path, no_freshness_check, monkeypatch):
     """Fake timings: INT8 loses, the float-prefix candidate is 2x faster, so its nodes become automatic."""
     monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **_: (10.0, 11.0, 10 / 11, 3))
-    monkeypatch.setattr(ort_build, "compare_many", lambda sessions, feeds, budget_s, **_: (
-        [10.0] + [5.0] * (len(sessions) - 1), [1.0] + [2.0] * (len(sessions) - 1), 3))
+    monkeypatch.setattr(ort_build, "compare_many", _many(10.0, 11.0, 5.0))
     cfg, ws = make_project(tmp_path, tiny.hardswish_cnn())
     result = build.build_engine(cfg, ws, Console(verbosity=-1))
     assert result.automatic == ["conv1", "hswish1"]
@@ -201,8 +208,7 @@ def test_speed_guard_does_not_search_when_int8_clearly_pays(tmp_path, no_freshne
 
 def test_slower_int8_is_reported(tmp_path, no_freshness_check, monkeypatch, capsys):
     monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **_: (10.0, 12.0, 10 / 12, 3))
-    monkeypatch.setattr(ort_build, "compare_many", lambda sessions, feeds, budget_s, **_: (
-        [12.0] * len(sessions), [1.0] * len(sessions), 3))
+    monkeypatch.setattr(ort_build, "compare_many", _many(10.0, 12.0, 12.0))
     cfg, ws = make_project(tmp_path, tiny.hardswish_cnn())
     result = build.build_engine(cfg, ws, Console())
     assert "slower than FP32" in capsys.readouterr().err
@@ -225,9 +231,48 @@ def test_same_inputs_give_byte_identical_artifacts(tmp_path, no_freshness_check,
 def test_region_search_runs_only_when_int8_loses(tmp_path, no_freshness_check, monkeypatch):
     searched = []
     monkeypatch.setattr(ort_build, "input_side_regions", lambda *a, **k: searched.append(1) or [])
-    for ratio in (1.2, 0.8):
+    for ratio in (1.5, 0.8):
         monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, r=ratio, **kw: (1.0, 1.0 / r, r, []))
         (tmp_path / str(ratio)).mkdir()
         cfg, ws = make_project(tmp_path / str(ratio), tiny.residual_cnn())
         build.build_engine(cfg, ws, Console(verbosity=-1))
     assert len(searched) == 1
+
+
+def test_guard_scores_regions_at_the_slowest_batch_size(tmp_path, no_freshness_check, monkeypatch):
+    """A region that wins at batch 8 but loses at batch 1 (profile.min) must not be chosen."""
+    monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **_: (10.0, 11.0, 10 / 11, 3))
+
+    def by_batch(sessions, feeds, budget_s, **_):
+        batch = next(iter(feeds.values())).shape[0]
+        candidate = 5.0 if batch == 8 else 20.0  # 2x faster at 8, 2x slower at 1
+        medians = [10.0, 11.0] + [candidate] * (len(sessions) - 2)
+        return medians, [10.0 / m for m in medians], 3
+
+    monkeypatch.setattr(ort_build, "compare_many", by_batch)
+    cfg, ws = make_project(tmp_path, tiny.hardswish_cnn())
+    result = build.build_engine(cfg, ws, Console(verbosity=-1))
+    assert result.automatic == [] and result.guard_steps and not result.guard_steps[0].accepted
+    assert result.guard_steps[0].speedups == {8: 2.0, 1: 0.5}
+    assert set(result.timing.by_batch) == {8, 1}
+
+
+def test_rebuild_reuses_the_guard_choice_instead_of_searching(tmp_path, no_freshness_check, monkeypatch):
+    monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **_: (10.0, 11.0, 10 / 11, 3))
+    monkeypatch.setattr(ort_build, "compare_many", _many(10.0, 11.0, 5.0))
+    cfg, ws = make_project(tmp_path, tiny.hardswish_cnn())
+    first = build.build_engine(cfg, ws, Console(verbosity=-1))
+    first_bytes = ws.path(build.CPU_ARTIFACT).read_bytes()
+    assert first.automatic
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("the choice of the previous build must be reused")
+
+    monkeypatch.setattr(ort_build, "compare_many", forbidden)
+    second = build.build_engine(cfg, ws, Console(verbosity=-1))
+    assert second.automatic == first.automatic and second.timing.reused
+    assert ws.path(build.CPU_ARTIFACT).read_bytes() == first_bytes
+    # another input (here: an exclusion) means another fingerprint: the guard searches again
+    monkeypatch.setattr(ort_build, "compare_many", _many(10.0, 11.0, 12.0))
+    third = build.build_engine(cfg, ws, Console(verbosity=-1), exclude=["conv2"])
+    assert third.automatic == [] and not third.timing.reused

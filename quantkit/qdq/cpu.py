@@ -57,7 +57,7 @@ def write_cpu_qdq(model: onnx.ModelProto, ranges: Mapping[str, TensorRange], nod
     float_inputs_for(quantized, float_nodes)
     shield_float_nodes(quantized, float_nodes, _channels(model))
     float_outputs(quantized, nodes)
-    lower_hardswish(quantized)
+    lower_hardswish(quantized, skip=float_nodes)
     remove_unused(quantized)
     return quantized
 
@@ -78,19 +78,21 @@ def _channels(model: onnx.ModelProto) -> dict[str, int]:
     return result
 
 
-def lower_hardswish(model: onnx.ModelProto) -> int:
+def lower_hardswish(model: onnx.ModelProto, skip: Iterable[str] = ()) -> int:
     """Rewrite each ``DQ -> HardSwish -> Q`` as ``DQ -> [LUT hard-sigmoid] -> Mul -> Q`` (in place).
 
     Only HardSwish nodes fully inside a quantized region (input from a DQ, output read by exactly
-    one Q and not a graph output) are touched. Returns how many were lowered.
+    one Q and not a graph output) and not in ``skip`` (kept in float on purpose) are touched.
+    Returns how many were lowered.
     """
+    skip = set(skip)
     graph = model.graph
     produced_by = producers(model)
     read_by = consumers(model)
     outputs = {vi.name for vi in graph.output}
     rewritten: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
-        if node.op_type != "HardSwish" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "HardSwish" or node.domain not in ("", "ai.onnx") or node.name in skip:
             continue
         source = produced_by.get(node.input[0])
         readers = read_by.get(node.output[0], [])

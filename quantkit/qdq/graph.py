@@ -158,6 +158,13 @@ def topological_sort(model: onnx.ModelProto) -> None:
     graph.node.extend(ordered)
 
 
+#: Float nodes of these types get a per-channel copy of a shared per-tensor DQ (see shield_float_nodes).
+SHIELDED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+#: Ops ORT fuses with DQ/Q into per-tensor integer kernels (QLinearAdd, QLinearGlobalAveragePool, ...).
+PER_TENSOR_QLINEAR_OPS = ("Add", "Mul", "GlobalAveragePool", "AveragePool", "LeakyRelu", "Sigmoid", "Softmax",
+                          "Concat", "Where")
+
+
 def shield_float_nodes(model: onnx.ModelProto, node_names: Iterable[str], channels: dict[str, int]) -> int:
     """Stop ONNX Runtime from quietly running float nodes in INT8 (CPU flavour; in place).
 
@@ -168,6 +175,12 @@ def shield_float_nodes(model: onnx.ModelProto, node_names: Iterable[str], channe
     channel (axis 1): the same values, a pattern ORT leaves alone. Where the channel count is
     unknown or 1, the node is pointed at the float tensor instead (the producer then loses its
     output fusion).
+
+    Only ops ORT would turn into integer kernels are touched. Conv/Gemm/MatMul get the per-channel
+    DQ (ORT checks their activation DQ is per-tensor). ORT's per-tensor QLinear kernels for the
+    other ops (:data:`PER_TENSOR_QLINEAR_OPS`) do *not* check when fusing and fail at session
+    start on a per-channel scale, so those read the float tensor. Ops ORT never fuses (HardSwish,
+    HardSigmoid, ...) or only drops exactly (Relu, MaxPool, Reshape, ...) keep the shared DQ.
 
     Args:
         model: the Q/DQ model.
@@ -182,7 +195,7 @@ def shield_float_nodes(model: onnx.ModelProto, node_names: Iterable[str], channe
     changed = 0
     new_nodes: list[tuple[int, onnx.NodeProto]] = []
     for position, node in enumerate(model.graph.node):
-        if node.name not in wanted:
+        if node.name not in wanted or node.op_type not in SHIELDED_OPS + PER_TENSOR_QLINEAR_OPS:
             continue
         for index, name in enumerate(node.input):
             dq = produced_by.get(name)
@@ -193,7 +206,7 @@ def shield_float_nodes(model: onnx.ModelProto, node_names: Iterable[str], channe
             zero = constant_value(model, dq.input[2])
             if q is None or q.op_type != QUANTIZE or scale is None or zero is None or scale.size != 1:
                 continue
-            count = channels.get(q.input[0], 0)
+            count = channels.get(q.input[0], 0) if node.op_type in SHIELDED_OPS else 0
             changed += 1
             if count <= 1:
                 node.input[index] = q.input[0]

@@ -98,6 +98,24 @@ def test_excluded_conv_after_an_int8_producer_stays_float_in_onnxruntime(residua
     assert output_cosine(model, quantized, tiny.random_feeds(model, 8, seed=2)) > 0.999
 
 
+@pytest.mark.parametrize("fixture, excluded, float_op", [
+    # no integer kernel: must not be lowered to the lookup table (ORT runs it as HardSigmoid * x)
+    ("hardswish", "hswish1", "HardSigmoid"),
+    ("residual", "gap", "GlobalAveragePool"),  # ORT's per-tensor QLinearGlobalAveragePool must not take it
+    ("residual", "add", "FusedConv"),  # ORT fuses the float Add into conv3, which then runs in float
+])
+def test_excluded_non_conv_after_an_int8_producer_runs_in_float(request, fixture, excluded, float_op):
+    """These used to make ORT refuse the model (a per-channel DQ fused into a per-tensor QLinear kernel)."""
+    model, ranges = request.getfixturevalue(fixture)
+    quantized = _cpu(model, ranges, exclude=[excluded])
+    ops = optimized_op_histogram(quantized)  # builds an ORT session: fails if ORT refuses the model
+    excluded_op = _node(model, excluded).op_type
+    assert ops.get(float_op, 0) >= 1 and "QLinear" + excluded_op not in ops
+    if excluded_op == "HardSwish":
+        assert ops.get("QLinearLeakyRelu") == 1  # only hswish2 became the lookup table
+    assert output_cosine(model, quantized, tiny.random_feeds(model, 8, seed=4)) > 0.998
+
+
 def test_cpu_flavour_close_to_fp32(cpu_residual, residual):
     model, _ = residual
     assert output_cosine(model, cpu_residual, tiny.random_feeds(model, 8, seed=7)) > 0.999

@@ -1,11 +1,15 @@
 """The ONNX Runtime (CPU) INT8 build: the CPU Q/DQ flavour plus a speed guard.
 
 The guard times FP32 against INT8 in ONNX Runtime during the build (2 threads,
-ORT_ENABLE_ALL, batch = ``build.profile.opt``, interleaved pairs, medians) and, where INT8 does
-does not pay (less than :data:`SEARCH_BELOW` x FP32), keeps resolution stages on the input side
-in float (:func:`quantkit.qdq.placement.input_side_regions`) as long as each one makes the INT8
-model measurably faster (:data:`MIN_GAIN`). Those nodes are *automatic* fallbacks. If the result is still slower than FP32
-the build says so.
+ORT_ENABLE_ALL, at ``build.profile.opt`` and ``build.profile.min``, interleaved, medians) and,
+where INT8 does not clearly pay at every one of those batch sizes (slowest ratio below
+:data:`SEARCH_BELOW`), tries keeping resolution stages on the input side in float
+(:func:`quantkit.qdq.placement.input_side_regions`) -- on CPU the first stages (few channels,
+full resolution, the first Q on the biggest tensor, a layout change) are where INT8 pays least.
+The candidate with the best slowest-batch speedup wins if it beats the all-INT8 model by
+:data:`MIN_GAIN`; its nodes become *automatic* fallbacks. A later build with the same
+fingerprint reuses that choice instead of searching again. If the result is still slower than
+FP32 at some batch size the build says so.
 
 Sessions run with ONNX Runtime's defaults (worker threads spin while waiting for work, as in
 deployment and in ``quantkit bench``). With two sessions alive on a 2-core machine the session
@@ -41,12 +45,13 @@ SINGLE_RUN_S = 0.1
 BLOCK_S = 0.1
 #: Runs at the start of a block that are not counted (the previous session's threads still spin).
 BLOCK_DROP = 2
-#: Float regions are only tried when INT8 is slower than FP32. The search decides by timing, so its
-#: choice can differ between runs on a noisy machine; limiting it to artifacts that would otherwise
-#: lose keeps the usual build byte-reproducible (same inputs and config -> same model.int8.onnx).
-SEARCH_BELOW = 1.0
-#: A float region is kept only if it makes the INT8 model at least this much faster (noise margin).
-MIN_GAIN = 1.03
+#: Float regions are only tried when INT8 does not clearly pay at every timed batch size (slowest
+#: INT8/FP32 ratio below this). The search decides by timing; a clear win rarely flips between runs
+#: and the choice is reused by later builds with the same fingerprint (see ``reuse``), so builds
+#: stay byte-reproducible in a workdir.
+SEARCH_BELOW = 1.25
+#: A float region is kept only if it makes the slowest batch size at least this much faster (noise margin).
+MIN_GAIN = 1.05
 #: Ops in ORT's optimized graph that are integer kernels (what the Q/DQ pairs fused into).
 _FUSED_PREFIXES = ("QLinear",)
 _FUSED_OPS = ("QGemm", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QAttention", "ConvInteger",
@@ -55,7 +60,7 @@ _FUSED_OPS = ("QGemm", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QAttent
 
 @dataclass(frozen=True)
 class Timing:
-    """FP32 against INT8 in ONNX Runtime, as measured by the guard."""
+    """FP32 against INT8 in ONNX Runtime, as measured by the guard (first batch size = profile opt)."""
 
     fp32_ms: float
     int8_ms: float
@@ -63,11 +68,23 @@ class Timing:
     batch: int
     threads: int
     pairs: int
+    by_batch: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # batch -> fp32, int8, x
+    reused: bool = False
+
+    @property
+    def slowest(self) -> tuple[int, float]:
+        """(batch size, speedup) where INT8 gains least."""
+        rows = self.by_batch or {self.batch: (self.fp32_ms, self.int8_ms, self.speedup)}
+        batch = min(rows, key=lambda b: rows[b][2])
+        return batch, rows[batch][2]
 
     def to_json(self) -> dict[str, Any]:
         return {"fp32_ms": round(self.fp32_ms, 3), "int8_ms": round(self.int8_ms, 3),
                 "speedup": round(self.speedup, 3), "batch": self.batch, "threads": self.threads,
-                "pairs": self.pairs, "statistic": "median of interleaved runs"}
+                "pairs": self.pairs, "statistic": "median of interleaved runs",
+                "by_batch": {str(b): {"fp32_ms": round(f, 3), "int8_ms": round(i, 3), "speedup": round(x, 3)}
+                             for b, (f, i, x) in self.by_batch.items()},
+                "region_reused": self.reused}
 
 
 @dataclass(frozen=True)
@@ -76,15 +93,17 @@ class GuardStep:
 
     region_end: str
     region_nodes: int
-    before_ms: float
-    after_ms: float
-    gain: float
+    before_ms: float  # all-INT8 at the first batch size
+    after_ms: float  # with the region in float, same batch size
+    gain: float  # slowest-batch speedup with the region / without it
     accepted: bool
+    speedups: dict[int, float] = field(default_factory=dict)  # batch -> speedup vs FP32 with the region
 
     def to_json(self) -> dict[str, Any]:
         return {"region_end": self.region_end, "region_nodes": self.region_nodes,
                 "before_ms": round(self.before_ms, 3), "after_ms": round(self.after_ms, 3),
-                "gain": round(self.gain, 3), "accepted": self.accepted}
+                "gain": round(self.gain, 3), "accepted": self.accepted,
+                "speedup_vs_fp32": {str(b): round(x, 3) for b, x in self.speedups.items()}}
 
 
 @dataclass
@@ -109,7 +128,9 @@ class CpuArtifact:
 
 def build_cpu_artifact(model: onnx.ModelProto, ranges: Mapping[str, TensorRange], nodes: Sequence[str],
                        float_nodes: Iterable[str], feeds: Mapping[str, np.ndarray] | None, console: Console, *,
-                       threads: int = 2, budget_s: float | None = None, max_regions: int = 3) -> CpuArtifact:
+                       threads: int = 2, budget_s: float | None = None, max_regions: int = 3,
+                       extra_feeds: Sequence[Mapping[str, np.ndarray]] = (),
+                       reuse: Sequence[str] | None = None) -> CpuArtifact:
     """Write the CPU flavour and run the speed guard.
 
     Args:
@@ -122,6 +143,9 @@ def build_cpu_artifact(model: onnx.ModelProto, ranges: Mapping[str, TensorRange]
         threads: ORT intra-op threads for timing (2 by default, as in the benchmarks).
         budget_s: time per comparison (default :data:`GUARD_BUDGET_S`).
         max_regions: how many float regions the guard tries at most.
+        extra_feeds: batches at other sizes that must not lose either (``build.profile.min``).
+        reuse: the nodes an earlier build with the same fingerprint kept in float automatically;
+            given, the guard times that placement instead of searching again (reproducible builds).
 
     Returns:
         The artifact; ``timing`` is None when the guard did not run.
@@ -132,36 +156,57 @@ def build_cpu_artifact(model: onnx.ModelProto, ranges: Mapping[str, TensorRange]
     if feeds is None:
         artifact.optimized_ops = optimized_op_histogram(artifact.model, threads)
         return artifact
-    batch = int(next(iter(feeds.values())).shape[0])
+    if reuse:
+        moved = [name for name in nodes if name in set(reuse)]
+        kept = [name for name in nodes if name not in set(reuse)]
+        artifact.model, artifact.quantized, artifact.automatic = (
+            write_cpu_qdq(model, ranges, kept, float_nodes + moved), kept, moved)
+        console.info(f"speed guard: {len(moved)} nodes kept in float as by the previous build with the same "
+                     "inputs (build.json; delete it to search again)")
+    batches = [dict(feeds)] + [dict(extra) for extra in extra_feeds]
     fp32 = _session(model, threads)
     full = _session(artifact.model, threads)
-    final = compare(fp32, full, feeds, budget_s)
-    console.info(f"speed guard (ONNX Runtime, {threads} threads, batch {batch}): FP32 {final[0]:.2f} ms, "
-                 f"INT8 {final[1]:.2f} ms ({final[2]:.2f}x)")
-    regions = input_side_regions(model, artifact.quantized, limit=max_regions) if final[2] < SEARCH_BELOW else []
+    measured = {_batch_size(f): compare(fp32, full, f, budget_s) for f in batches}
+    for batch, (fp32_ms, int8_ms, speedup, _) in measured.items():
+        console.info(f"speed guard (ONNX Runtime, {threads} threads, batch {batch}): FP32 {fp32_ms:.2f} ms, "
+                     f"INT8 {int8_ms:.2f} ms ({speedup:.2f}x)")
+    slowest = min(row[2] for row in measured.values())
+    regions = (input_side_regions(model, artifact.quantized, limit=max_regions)
+               if reuse is None and slowest < SEARCH_BELOW else [])
     if regions:
-        chosen = _try_regions(model, ranges, nodes, float_nodes, regions, full, feeds, threads, budget_s,
+        chosen = _try_regions(model, ranges, nodes, float_nodes, regions, fp32, full, batches, threads, budget_s,
                               artifact, console)
         if chosen is not None:
             best_model, best_nodes, best_session, moved = chosen
             artifact.model, artifact.quantized, artifact.automatic = best_model, best_nodes, moved
-            final = compare(fp32, best_session, feeds, budget_s)
-            console.info(f"speed guard result: FP32 {final[0]:.2f} ms, INT8 {final[1]:.2f} ms ({final[2]:.2f}x), "
-                         f"{len(moved)} nodes kept in float automatically")
-    artifact.timing = Timing(final[0], final[1], final[2], batch, threads, final[3])
-    if final[2] < 1.0:
-        console.warn(f"the INT8 CPU artifact is slower than FP32 at batch {batch} "
-                     f"({final[1]:.2f} ms vs {final[0]:.2f} ms, {final[2]:.2f}x); it is written anyway, "
-                     "see build.json (consider --exclude for the slow layers or the FP32 model)")
+            measured = {_batch_size(f): compare(fp32, best_session, f, budget_s) for f in batches}
+            shown = ", ".join(f"batch {b}: {row[2]:.2f}x" for b, row in measured.items())
+            console.info(f"speed guard result: {shown}, {len(moved)} nodes kept in float automatically")
+    first = _batch_size(batches[0])
+    fp32_ms, int8_ms, speedup, pairs = measured[first]
+    artifact.timing = Timing(fp32_ms, int8_ms, speedup, first, threads, pairs if isinstance(pairs, int) else 0,
+                             {b: (row[0], row[1], row[2]) for b, row in measured.items()}, reused=bool(reuse))
+    for batch, (fp32_ms, int8_ms, speedup, _) in measured.items():
+        if speedup < 1.0:
+            console.warn(f"the INT8 CPU artifact is slower than FP32 at batch {batch} "
+                         f"({int8_ms:.2f} ms vs {fp32_ms:.2f} ms, {speedup:.2f}x); it is written anyway, "
+                         "see build.json (consider --exclude for the slow layers or the FP32 model)")
     artifact.optimized_ops = optimized_op_histogram(artifact.model, threads)
     return artifact
 
 
-def _try_regions(model, ranges, nodes, float_nodes, regions, full, feeds, threads, budget_s, artifact, console):
-    """Time every float-prefix candidate against the full INT8 model in one interleaved round robin.
+def _batch_size(feeds: Mapping[str, np.ndarray]) -> int:
+    return int(next(iter(feeds.values())).shape[0])
 
-    The gains of nested prefixes are not monotonic (a boundary inside a stage can cost more than it
-    saves), so all candidates are timed and the best one wins if it beats :data:`MIN_GAIN`.
+
+def _try_regions(model, ranges, nodes, float_nodes, regions, fp32, full, batches, threads, budget_s, artifact,
+                 console):
+    """Time every float-prefix candidate against FP32 and the full INT8 model, one round robin per batch size.
+
+    A candidate's score is its speedup over FP32 at the batch size where it gains least; the gains
+    of nested prefixes are not monotonic (a boundary inside a stage can cost more than it saves),
+    so all candidates are timed and the best one wins if it beats the all-INT8 score by
+    :data:`MIN_GAIN`.
 
     Returns:
         (model, quantized nodes, session, nodes moved to float) of the winner, or None.
@@ -170,19 +215,27 @@ def _try_regions(model, ranges, nodes, float_nodes, regions, full, feeds, thread
     for region in regions:
         region_set = set(region)
         trial_nodes = [name for name in nodes if name not in region_set]
-        trial_float = float_nodes + [name for name in nodes if name in region_set]
-        trial_model = write_cpu_qdq(model, ranges, trial_nodes, trial_float)
         moved = [name for name in nodes if name in region_set]
+        trial_model = write_cpu_qdq(model, ranges, trial_nodes, float_nodes + moved)
         trials.append((region[-1], trial_model, trial_nodes, _session(trial_model, threads), moved))
-    medians, gains, _ = compare_many([full] + [t[3] for t in trials], feeds, budget_s * len(trials))
-    best = max(range(len(trials)), key=lambda i: gains[i + 1])
-    winner = best if gains[best + 1] >= MIN_GAIN else None
+    sessions = [fp32, full] + [t[3] for t in trials]
+    per_batch = []  # (batch, medians, speedups vs FP32)
+    for feeds in batches:
+        medians, speedups, _ = compare_many(sessions, feeds, budget_s * len(trials))
+        per_batch.append((_batch_size(feeds), medians, speedups))
+    scores = [min(speedups[index] for _, _, speedups in per_batch) for index in range(len(sessions))]
+    best = max(range(len(trials)), key=lambda i: scores[i + 2])
+    winner = best if scores[best + 2] >= scores[1] * MIN_GAIN else None
+    _, medians, _ = per_batch[0]
     for index, (end, _, _, _, moved) in enumerate(trials):
         accepted = index == winner
-        artifact.steps.append(GuardStep(end, len(moved), medians[0], medians[index + 1], gains[index + 1], accepted))
-        verdict = "chosen" if accepted else "not chosen"
-        console.info(f"  float up to {end!r} ({len(moved)} nodes): {medians[0]:.2f} -> {medians[index + 1]:.2f} ms "
-                     f"({gains[index + 1]:.2f}x) - {verdict}")
+        gain = scores[index + 2] / scores[1]
+        speedups = {batch: speedups[index + 2] for batch, _, speedups in per_batch}
+        artifact.steps.append(GuardStep(end, len(moved), medians[1], medians[index + 2], gain, accepted, speedups))
+        shown = ", ".join(f"{x:.2f}x" for x in speedups.values())
+        console.info(f"  float up to {end!r} ({len(moved)} nodes): {shown} FP32 at batch "
+                     f"{', '.join(str(b) for b in speedups)} ({gain:.2f}x the all-INT8 model) - "
+                     f"{'chosen' if accepted else 'not chosen'}")
     if winner is None:
         return None
     end, trial_model, trial_nodes, session, moved = trials[winner]
