@@ -238,7 +238,8 @@ def build_engine(cfg: Config, ws: ModelWorkspace, console: Console, *, backend: 
         exclude: extra exclusion patterns (node names, globs, op types), added to ``build.fallback``
             (the search of ``build.fallback.auto`` runs with them excluded).
         allow_stale: use ``calib.json`` even if the calibration manifest says it is stale.
-        guard: run the speed guard (off only for tests that do not time anything).
+        guard: run the speed guard as ``build.speed_guard`` says (False: never, for tests that do not
+            time anything).
 
     Returns:
         A :class:`BuildResult`; ``model.int8.onnx``, ``model.qdq.onnx`` and ``build.json`` are written.
@@ -258,12 +259,14 @@ def build_engine(cfg: Config, ws: ModelWorkspace, console: Console, *, backend: 
     console.info(f"backend: {backend_name} ({backend_reason})")
     fingerprint = build_fingerprint(cfg, ws, backend=backend, exclude=exclude)
     plan = _plan(cfg, ws, console, exclude, allow_stale)
-    feeds = timing_feeds(cfg, console) if guard else None
+    feeds = timing_feeds(cfg, console) if guard and cfg.build.speed_guard != "off" else None
+    search = cfg.build.speed_guard == "search"
 
     console.info(f"writing the CPU flavour ({len(plan.cpu_nodes)} nodes quantized, {len(plan.excluded)} excluded)")
     cpu = ort_build.build_cpu_artifact(plan.model, plan.ranges, plan.cpu_nodes, plan.excluded, feeds, console,
-                                       extra_feeds=_smaller_batches(cfg, feeds),
-                                       reuse=previous_guard_choice(ws, fingerprint) if feeds is not None else None)
+                                       extra_feeds=_smaller_batches(cfg, feeds), search=search,
+                                       reuse=previous_guard_choice(ws, fingerprint) if feeds is not None and search
+                                       else None)
     trt_fp16 = [node for node in plan.excluded if any(c.name == node and c.trt for c in plan.candidates)]
     trt_model = write_trt_qdq(plan.model, plan.ranges, plan.trt_nodes, trt_fp16)
     problems = check_trt_qdq(trt_model)

@@ -281,6 +281,9 @@ class BuildSection(_Section):
     fallback: FallbackSection = Field(default_factory=FallbackSection)
     workspace_mb: int = Field(default=2048, ge=1)
     profile: ProfileSection = Field(default_factory=ProfileSection)
+    # search: time FP32 vs INT8 and keep input-side stages in float where that clearly pays;
+    # measure: time and report only (placement from config + calibration alone); off: no timing
+    speed_guard: Literal["search", "measure", "off"] = "search"
 
     @field_validator("fallback", mode="before")
     @classmethod

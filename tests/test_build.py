@@ -276,3 +276,20 @@ def test_rebuild_reuses_the_guard_choice_instead_of_searching(tmp_path, no_fresh
     monkeypatch.setattr(ort_build, "compare_many", _many(10.0, 11.0, 12.0))
     third = build.build_engine(cfg, ws, Console(verbosity=-1), exclude=["conv2"])
     assert third.automatic == [] and not third.timing.reused
+
+
+@pytest.mark.parametrize("mode", ["measure", "off"])
+def test_speed_guard_measure_and_off_never_change_the_placement(tmp_path, no_freshness_check, monkeypatch, mode):
+    timed = []
+    monkeypatch.setattr(ort_build, "compare",
+                        lambda a, b, feeds, budget_s, **_: timed.append(1) or (10.0, 11.0, 10 / 11, 3))
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("no float regions may be tried")
+
+    monkeypatch.setattr(ort_build, "compare_many", forbidden)
+    _, ws = make_project(tmp_path, tiny.hardswish_cnn())
+    cfg = load_config(tmp_path / "tiny.yaml", {"build.speed_guard": mode})
+    result = build.build_engine(cfg, ws, Console(verbosity=-1))
+    assert result.automatic == []
+    assert (result.timing is not None and timed) if mode == "measure" else (result.timing is None and not timed)
