@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_all.py --workdir $(WORKDIR)
 	$(BIN)/python scripts/bench_build.py --workdir $(WORKDIR) --docs
 	$(BIN)/python scripts/bench_calib.py --workdir $(WORKDIR)/bench-calib
+	$(BIN)/python scripts/bench_sensitivity.py --workdir $(WORKDIR)
 
 ## make data: regenerate the shipped data and the digits weights (needs the data extra)
 data: $(STAMP)

@@ -65,14 +65,16 @@ def quantized_nodes(model: onnx.ModelProto) -> set[str]:
     return result
 
 
-def float_inputs_for(model: onnx.ModelProto, node_names: Iterable[str]) -> int:
+def float_inputs_for(model: onnx.ModelProto, node_names: Iterable[str], keep_fusion: bool = True) -> int:
     """Make the given (unquantized) nodes read float tensors instead of a shared DQ output.
 
     ORT's quantizer puts one Q -> DQ pair on a tensor and points *every* consumer at the DQ, so
     an excluded node next to a quantized one would still read fake-quantized values. Where the
     tensor's producer is itself float (or a graph input), the node is pointed back at the original
     tensor; where the producer is quantized, it keeps the DQ output -- pointing it at the raw output
-    would break the producer's DQ -> op -> Q fusion.
+    would break the producer's DQ -> op -> Q fusion. With ``keep_fusion=False`` (the TensorRT
+    flavour: no output Q to fuse, and a Q/DQ read by a float node breaks its rules) every such
+    input reads the float tensor.
 
     Returns:
         How many inputs were rewired. Edits ``model`` in place.
@@ -93,7 +95,7 @@ def float_inputs_for(model: onnx.ModelProto, node_names: Iterable[str]) -> int:
                 continue  # a weight DQ (int8 initializer): leave it to the owner of the weight
             source = q.input[0]
             source_producer = produced_by.get(source)
-            if source_producer is not None and source_producer.name in quantized:
+            if keep_fusion and source_producer is not None and source_producer.name in quantized:
                 continue
             node.input[index] = source
             rewired += 1

@@ -41,7 +41,7 @@ def write_trt_qdq(model: onnx.ModelProto, ranges: Mapping[str, TensorRange], nod
     bounds = {name: r.trt_bounds() for name, r in ranges.items()}
     quantized = ortquant.quantize(model, nodes, bounds, TRT)
     fp16 = list(dict.fromkeys(fp16_nodes))
-    float_inputs_for(quantized, fp16)
+    float_inputs_for(quantized, fp16, keep_fusion=False)
     remove_unused(quantized)
     set_fp16_nodes(quantized, fp16)
     return quantized

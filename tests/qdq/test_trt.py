@@ -75,6 +75,36 @@ def test_excluded_nodes_are_marked_fp16_and_carry_no_qdq(residual):
     assert check_trt_qdq(quantized) == []
 
 
+def _conv_feeding_conv_and_add():
+    """input -> conv1 -> c1; c1 -> conv2 -> c2; add(c1, c2) -> out: c1 has an INT8 reader and the add."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    inits = [tiny._init("w1", rng.normal(0, 0.4, (4, 3, 3, 3))), tiny._init("w2", rng.normal(0, 0.3, (4, 4, 3, 3)))]
+    nodes = [helper.make_node("Conv", ["input", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c1", "c2"], ["out"], name="add")]
+    return tiny._model(nodes, [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 6, 6])],
+                       [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 4, 6, 6])], inits)
+
+
+def test_fp16_node_beside_a_quantized_reader_reads_the_float_tensor(tmp_path):
+    """conv1's output feeds conv2 (INT8: Q/DQ) and the excluded add: the add must read the float tensor.
+
+    The MobileNetV3 sensitivity set (an excluded residual Add whose other reader is an INT8 Conv)
+    once produced a Q after a Conv that an FP16 node read, which TensorRT's rules forbid.
+    """
+    from quantkit.qdq import load_ranges
+
+    model = _conv_feeding_conv_and_add()
+    tiny.write_minmax_calibration(model, [tiny.random_feeds(model, 8, seed=1)], tmp_path / "calib.json")
+    quantized = _trt(model, load_ranges(tmp_path / "calib.json"), exclude=["add"])
+    produced_by = producers(quantized)
+    assert _node(quantized, "add").input[0] == "c1"
+    assert produced_by[_node(quantized, "conv2").input[0]].op_type == "DequantizeLinear"  # INT8 reader keeps it
+    assert check_trt_qdq(quantized) == []
+
+
 def test_trt_flavour_runs_in_onnxruntime_close_to_fp32(trt_residual, residual, mlp):
     model, _ = residual
     assert output_cosine(model, trt_residual, tiny.random_feeds(model, 8, seed=5)) > 0.999
