@@ -217,7 +217,7 @@ def test_slower_int8_is_reported(tmp_path, no_freshness_check, monkeypatch, caps
 
 def test_same_inputs_give_byte_identical_artifacts(tmp_path, no_freshness_check, monkeypatch):
     # INT8 wins on this model, so the timing-driven region search must not run and change the placement
-    monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **kw: (1.0, 0.5, 2.0, []))
+    monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **kw: (1.0, 0.5, 2.0, 3))
     built = []
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
@@ -232,7 +232,7 @@ def test_region_search_runs_only_when_int8_loses(tmp_path, no_freshness_check, m
     searched = []
     monkeypatch.setattr(ort_build, "input_side_regions", lambda *a, **k: searched.append(1) or [])
     for ratio in (1.5, 0.8):
-        monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, r=ratio, **kw: (1.0, 1.0 / r, r, []))
+        monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, r=ratio, **kw: (1.0, 1.0 / r, r, 3))
         (tmp_path / str(ratio)).mkdir()
         cfg, ws = make_project(tmp_path / str(ratio), tiny.residual_cnn())
         build.build_engine(cfg, ws, Console(verbosity=-1))

@@ -73,13 +73,6 @@ class Timing:
     by_batch: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # batch -> fp32, int8, x
     reused: bool = False
 
-    @property
-    def slowest(self) -> tuple[int, float]:
-        """(batch size, speedup) where INT8 gains least."""
-        rows = self.by_batch or {self.batch: (self.fp32_ms, self.int8_ms, self.speedup)}
-        batch = min(rows, key=lambda b: rows[b][2])
-        return batch, rows[batch][2]
-
     def to_json(self) -> dict[str, Any]:
         return {"fp32_ms": round(self.fp32_ms, 3), "int8_ms": round(self.int8_ms, 3),
                 "speedup": round(self.speedup, 3), "batch": self.batch, "threads": self.threads,
@@ -161,10 +154,9 @@ def build_cpu_artifact(model: onnx.ModelProto, ranges: Mapping[str, TensorRange]
         artifact.optimized_ops = optimized_op_histogram(artifact.model, threads)
         return artifact
     if reuse:
-        moved = [name for name in nodes if name in set(reuse)]
-        kept = [name for name in nodes if name not in set(reuse)]
-        artifact.model, artifact.quantized, artifact.automatic = (
-            write_cpu_qdq(model, ranges, kept, float_nodes + moved), kept, moved)
+        artifact.model, artifact.quantized, artifact.automatic = _with_float_region(
+            model, ranges, nodes, float_nodes, reuse)
+        moved = artifact.automatic
         console.info(f"speed guard: {len(moved)} nodes kept in float as by the previous build with the same "
                      "inputs (build.json; delete it to search again)")
     batches = [dict(feeds)] + [dict(extra) for extra in extra_feeds]
@@ -188,7 +180,7 @@ def build_cpu_artifact(model: onnx.ModelProto, ranges: Mapping[str, TensorRange]
             console.info(f"speed guard result: {shown}, {len(moved)} nodes kept in float automatically")
     first = _batch_size(batches[0])
     fp32_ms, int8_ms, speedup, pairs = measured[first]
-    artifact.timing = Timing(fp32_ms, int8_ms, speedup, first, threads, pairs if isinstance(pairs, int) else 0,
+    artifact.timing = Timing(fp32_ms, int8_ms, speedup, first, threads, pairs,
                              {b: (row[0], row[1], row[2]) for b, row in measured.items()}, reused=bool(reuse))
     for batch, (fp32_ms, int8_ms, speedup, _) in measured.items():
         if speedup < 1.0:
@@ -197,6 +189,14 @@ def build_cpu_artifact(model: onnx.ModelProto, ranges: Mapping[str, TensorRange]
                          "see build.json (consider --exclude for the slow layers or the FP32 model)")
     artifact.optimized_ops = optimized_op_histogram(artifact.model, threads)
     return artifact
+
+
+def _with_float_region(model, ranges, nodes: Sequence[str], float_nodes: list[str], region: Iterable[str]):
+    """The CPU flavour with ``region`` moved to float: (model, nodes still quantized, nodes moved)."""
+    region_set = set(region)
+    kept = [name for name in nodes if name not in region_set]
+    moved = [name for name in nodes if name in region_set]
+    return write_cpu_qdq(model, ranges, kept, float_nodes + moved), kept, moved
 
 
 def _batch_size(feeds: Mapping[str, np.ndarray]) -> int:
@@ -217,10 +217,7 @@ def _try_regions(model, ranges, nodes, float_nodes, regions, fp32, full, batches
     """
     trials = []
     for region in regions:
-        region_set = set(region)
-        trial_nodes = [name for name in nodes if name not in region_set]
-        moved = [name for name in nodes if name in region_set]
-        trial_model = write_cpu_qdq(model, ranges, trial_nodes, float_nodes + moved)
+        trial_model, trial_nodes, moved = _with_float_region(model, ranges, nodes, float_nodes, region)
         trials.append((region[-1], trial_model, trial_nodes, _session(trial_model, threads), moved))
     sessions = [fp32, full] + [t[3] for t in trials]
     per_batch = []  # (batch, medians, speedups vs FP32)
