@@ -269,7 +269,10 @@ def _seen_tensors(qmodel: onnx.ModelProto) -> dict[str, str]:
     for node in qmodel.graph.node:
         if node.op_type != QUANTIZE:
             continue
-        dqs = [user for user in read_by.get(node.output[0], []) if user.op_type == DEQUANTIZE]
+        # a DQ with other scale/zero point than its Q reinterprets the integers (the folded
+        # hard-sigmoid of quantkit.qdq.cpu): it holds another tensor, not this one rounded
+        dqs = [user for user in read_by.get(node.output[0], [])
+               if user.op_type == DEQUANTIZE and list(user.input[1:]) == list(node.input[1:])]
         if dqs:
             seen[node.input[0]] = dqs[0].output[0]
     return seen

@@ -78,6 +78,31 @@ def hardswish_cnn(seed: int = 0) -> onnx.ModelProto:
                   [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 4, 4, 4])], inits)
 
 
+def squeeze_excite_cnn(seed: int = 0) -> onnx.ModelProto:
+    """input[N,3,8,8] -> conv1 -> HardSwish -> squeeze-excite (gap -> fc1 -> Relu -> fc2 -> HardSigmoid -> Mul)
+    -> conv3 -> out: MobileNetV3's block in miniature."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        _init("w1", rng.normal(0, 0.5, (8, 3, 3, 3))), _init("b1", rng.normal(0, 0.3, 8)),
+        _init("wf1", rng.normal(0, 0.5, (4, 8, 1, 1))), _init("bf1", rng.normal(0, 0.2, 4)),
+        _init("wf2", rng.normal(0, 0.8, (8, 4, 1, 1))), _init("bf2", rng.normal(0, 0.5, 8)),
+        _init("w3", rng.normal(0, 0.3, (4, 8, 1, 1))), _init("b3", rng.normal(0, 0.1, 4)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("HardSwish", ["c1"], ["h1"], name="hswish1"),
+        helper.make_node("GlobalAveragePool", ["h1"], ["g"], name="se_gap"),
+        helper.make_node("Conv", ["g", "wf1", "bf1"], ["f1"], name="se_fc1"),
+        helper.make_node("Relu", ["f1"], ["r1"], name="se_relu"),
+        helper.make_node("Conv", ["r1", "wf2", "bf2"], ["f2"], name="se_fc2"),
+        helper.make_node("HardSigmoid", ["f2"], ["gate"], name="se_gate", alpha=1.0 / 6.0),
+        helper.make_node("Mul", ["h1", "gate"], ["scaled"], name="se_mul"),
+        helper.make_node("Conv", ["scaled", "w3", "b3"], ["out"], name="conv3"),
+    ]
+    return _model(nodes, [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+                  [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 4, 8, 8])], inits)
+
+
 def matmul_mlp(seed: int = 0) -> onnx.ModelProto:
     """x[N,6,16] -> MatMul(W1[16,32]) + b1 -> Relu -> MatMul(W2[32,8]) -> residual-free output y[N,6,8]."""
     rng = np.random.default_rng(seed)

@@ -28,3 +28,8 @@ def hardswish(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mlp(tmp_path_factory):
     return _calibrated(tiny.matmul_mlp(), tmp_path_factory, "mlp")
+
+
+@pytest.fixture(scope="session")
+def squeeze_excite(tmp_path_factory):
+    return _calibrated(tiny.squeeze_excite_cnn(), tmp_path_factory, "squeeze_excite")

@@ -99,8 +99,9 @@ def test_excluded_conv_after_an_int8_producer_stays_float_in_onnxruntime(residua
 
 
 @pytest.mark.parametrize("fixture, excluded, float_op", [
-    # no integer kernel: must not be lowered to the lookup table (ORT runs it as HardSigmoid * x)
+    # no integer kernel: must not be lowered (ORT runs it as HardSigmoid * x)
     ("hardswish", "hswish1", "HardSigmoid"),
+    ("squeeze_excite", "se_gate", "HardSigmoid"),  # not folded into se_fc2's requantization
     ("residual", "gap", "GlobalAveragePool"),  # ORT's per-tensor QLinearGlobalAveragePool must not take it
     ("residual", "add", "FusedConv"),  # ORT fuses the float Add into conv3, which then runs in float
 ])
@@ -112,7 +113,7 @@ def test_excluded_non_conv_after_an_int8_producer_runs_in_float(request, fixture
     excluded_op = _node(model, excluded).op_type
     assert ops.get(float_op, 0) >= 1 and "QLinear" + excluded_op not in ops
     if excluded_op == "HardSwish":
-        assert ops.get("QLinearLeakyRelu") == 1  # only hswish2 became the lookup table
+        assert _hsig_requants(quantized) == 1  # only hswish2 was lowered
     assert output_cosine(model, quantized, tiny.random_feeds(model, 8, seed=4)) > 0.998
 
 
@@ -121,22 +122,64 @@ def test_cpu_flavour_close_to_fp32(cpu_residual, residual):
     assert output_cosine(model, cpu_residual, tiny.random_feeds(model, 8, seed=7)) > 0.999
 
 
-def test_hardswish_becomes_lookup_table_and_mul(hardswish):
+def _hsig_requants(quantized) -> int:
+    """How many hard-sigmoid requantizations (Add of the constant 0) the lowering wrote."""
+    return sum(1 for n in quantized.graph.node if n.op_type == "Add" and n.name.endswith("/hsig_requant"))
+
+
+def test_hardswish_becomes_requantization_and_mul(hardswish):
     model, ranges = hardswish
     quantized = _cpu(model, ranges)
     ops = [n.op_type for n in quantized.graph.node]
-    assert "HardSwish" not in ops and ops.count("LeakyRelu") == 2
+    assert "HardSwish" not in ops and _hsig_requants(quantized) == 2
     fused = optimized_op_histogram(quantized)
-    assert fused.get("QLinearLeakyRelu") == 2 and fused.get("QLinearMul") == 2 and fused.get("QLinearConv") == 3
+    # 2 hard-sigmoid requantizations (QLinearAdd with a constant) and 2 products; nothing float left
+    assert fused.get("QLinearAdd") == 2 and fused.get("QLinearMul") == 2 and fused.get("QLinearConv") == 3
+    assert "QLinearLeakyRelu" not in fused and "HardSwish" not in fused and "HardSigmoid" not in fused
     assert output_cosine(model, quantized, tiny.random_feeds(model, 8, seed=3)) > 0.998
 
 
-def test_hardswish_lookup_matches_hardsigmoid_on_the_grid():
+def test_hardswish_requantization_matches_hardsigmoid_on_the_grid():
     # q = clamp(round(x * 256/6) + 128, 0, 255); q / 256 must be hard-sigmoid within one step
     x = np.linspace(-8, 8, 2001, dtype=np.float32)
     q = np.clip(np.round(x / (6 / 256)) + 128, 0, 255)
     assert np.max(np.abs(q / 256 - np.clip(x / 6 + 0.5, 0, 1))) <= 1 / 256 + 1e-6
     assert np.all(q[x <= -3] == 0)
+
+
+def test_hardswish_input_grid_starts_at_minus_three(hardswish):
+    """HardSwish is 0 below -3: the Q of a tensor only HardSwish reads does not spend steps there."""
+    model, ranges = hardswish
+    assert ranges["c2"].min < -3  # calibration saw values below -3 ...
+    quantized = _cpu(model, ranges)
+    q = next(n for n in quantized.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "c2")
+    scale, zero = float(constant_value(quantized, q.input[1])), int(constant_value(quantized, q.input[2]))
+    assert -zero * scale == pytest.approx(-3.0, abs=scale)  # ... the grid starts at -3
+    assert (255 - zero) * scale == pytest.approx(ranges["c2"].cpu_bounds()[1], abs=scale)
+
+
+def test_input_grid_of_a_float_hardswish_keeps_the_calibrated_low_end(hardswish):
+    model, ranges = hardswish
+    quantized = _cpu(model, ranges, exclude=["hswish2"])
+    q = next((n for n in quantized.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "c2"), None)
+    if q is not None:  # the float HardSwish may read conv2's output through its own DQ
+        scale, zero = float(constant_value(quantized, q.input[1])), int(constant_value(quantized, q.input[2]))
+        assert -zero * scale == pytest.approx(ranges["c2"].cpu_bounds()[0], abs=scale)
+
+
+def test_squeeze_excite_gate_is_folded_into_the_producer(squeeze_excite):
+    model, ranges = squeeze_excite
+    quantized = _cpu(model, ranges)
+    assert "HardSigmoid" not in [n.op_type for n in quantized.graph.node]
+    # se_fc2's output Q is the hard-sigmoid grid: scale 1/(256 alpha) = 6/256, zero point 256 beta = 128
+    q = next(n for n in quantized.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "f2")
+    assert float(constant_value(quantized, q.input[1])) == pytest.approx(6 / 256)
+    assert int(constant_value(quantized, q.input[2])) == 128
+    fused = optimized_op_histogram(quantized)
+    assert "HardSigmoid" not in fused
+    assert fused.get("QuantizeLinear") == 1 and fused.get("DequantizeLinear") == 1  # model input and output only
+    assert fused.get("QLinearConv") == 4 and fused.get("QLinearMul") == 2  # se_mul + the HardSwish product
+    assert output_cosine(model, quantized, tiny.random_feeds(model, 8, seed=5)) > 0.998
 
 
 def test_model_is_valid_onnx(cpu_residual):

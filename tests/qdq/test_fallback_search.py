@@ -133,3 +133,17 @@ def test_output_scorer_scores_the_reference_as_perfect_and_refuses_broken_models
     broken.CopyFrom(model)
     broken.graph.node[0].op_type = "NoSuchOp"
     assert scorer.score(broken).error is not None and scorer.evaluations == 2
+
+
+def test_local_errors_see_through_the_folded_squeeze_excite_gate(squeeze_excite):
+    """The CPU flavour folds the HardSigmoid into se_fc2's requantization: se_fc2's output Q now holds
+    the gate, not se_fc2's output rounded; every node must still be measured against its own tensor."""
+    model, ranges = squeeze_excite
+    nodes = placement.select_nodes(placement.quantizable_nodes(model), placement.CPU)
+    reported = [n.name for n in placement.quantizable_nodes(model) if n.reported]
+    qmodel = write_cpu_qdq(model, ranges, nodes)
+    errors = local_errors(model, qmodel, reported, [tiny.random_feeds(model, 4, seed) for seed in (7, 8)])
+    by_name = {e.name: e for e in errors}
+    assert {"se_fc2", "se_mul", "conv3"} <= set(by_name)
+    assert by_name["se_fc2"].snr_db > 25 and by_name["se_fc2"].cosine > 0.99  # not compared with the gate
+    assert by_name["se_mul"].snr_db > 20 and by_name["se_mul"].cosine > 0.99  # reads the folded gate

@@ -54,6 +54,10 @@ SEARCH_BELOW = 1.25
 #: margin: on this shared host a region worth 1.05-1.10x (the digits CNN's stem) flipped between
 #: builds, MobileNetV3-Small's stem + first block (1.2-1.3x) did not.
 MIN_GAIN = 1.15
+#: Rounds (one block per session each) the float-region search times at least, per batch size: with 3
+#: candidates, FP32 and the all-INT8 model a round is ~0.5 s, and a median over fewer rounds let one
+#: noisy burst on this shared host pick the wrong candidate.
+SEARCH_ROUNDS = 7
 #: Ops in ORT's optimized graph that are integer kernels (what the Q/DQ pairs fused into).
 _FUSED_PREFIXES = ("QLinear",)
 _FUSED_OPS = ("QGemm", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QAttention", "ConvInteger",
@@ -222,7 +226,7 @@ def _try_regions(model, ranges, nodes, float_nodes, regions, fp32, full, batches
     sessions = [fp32, full] + [t[3] for t in trials]
     per_batch = []  # (batch, medians, speedups vs FP32)
     for feeds in batches:
-        medians, speedups, _ = compare_many(sessions, feeds, budget_s * len(trials))
+        medians, speedups, _ = compare_many(sessions, feeds, budget_s * len(trials), min_rounds=SEARCH_ROUNDS)
         per_batch.append((_batch_size(feeds), medians, speedups))
     scores = [min(speedups[index] for _, _, speedups in per_batch) for index in range(len(sessions))]
     best = max(range(len(trials)), key=lambda i: scores[i + 2])
