@@ -92,6 +92,18 @@ def test_build_writes_both_flavours_and_manifest(tmp_path, no_freshness_check, c
     json.dumps(result.to_json())
 
 
+@pytest.mark.parametrize("exclude, precision, reason", [((), "int8", None), (("se_gate",), "fp32", "config")])
+def test_folded_hardsigmoid_is_reported_as_a_node(tmp_path, no_freshness_check, exclude, precision, reason):
+    """The squeeze-excite gate runs in INT8 (folded into se_fc2's Q) or, excluded, in float: build.json says which."""
+    cfg, ws = make_project(tmp_path, tiny.squeeze_excite_cnn())
+    result = build.build_engine(cfg, ws, Console(verbosity=-1), exclude=list(exclude), guard=False)
+    gate = next(n for n in result.to_json()["nodes"] if n["name"] == "se_gate")
+    assert gate["op_type"] == "HardSigmoid" and "trt" not in gate  # the TensorRT flavour leaves it to TensorRT
+    assert gate["cpu"]["precision"] == precision and gate["cpu"]["reason"] == reason
+    written = onnx.load(str(ws.path(build.CPU_ARTIFACT)))
+    assert ("HardSigmoid" in [n.op_type for n in written.graph.node]) == bool(exclude)
+
+
 def test_unknown_exclusion_fails_before_writing(tmp_path, no_freshness_check):
     cfg, ws = make_project(tmp_path, tiny.residual_cnn())
     with pytest.raises(ConfigError) as info:

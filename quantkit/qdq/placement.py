@@ -6,8 +6,8 @@ QuantizeLinear/DequantizeLinear pairs around exactly those nodes. The policies:
 
 * **CPU** (ONNX Runtime, x86): every op ORT runs as a fused integer kernel when its inputs
   and output are quantized -- Conv/ConvTranspose/Gemm/MatMul, Add/Mul of two activations
-  (residuals, squeeze-excite), pooling, LUT activations (Sigmoid, LeakyRelu, and HardSwish via
-  :func:`quantkit.qdq.cpu.lower_hardswish`), plus the ops that just pass uint8 through (ReLU/Clip
+  (residuals, squeeze-excite), pooling, LUT activations (Sigmoid, LeakyRelu), HardSwish and HardSigmoid
+  (requantizations, :mod:`quantkit.qdq.cpu`), plus the ops that just pass uint8 through (ReLU/Clip
   fold into the producer's Q range; MaxPool, Flatten, Reshape ... share their input's scale).
 * **TensorRT**: Q/DQ only on the activation and weight inputs of Conv/ConvTranspose/Gemm/MatMul
   and on both inputs of residual Adds (so TensorRT fuses Conv+Add); never on outputs. TensorRT
@@ -42,7 +42,9 @@ COMPUTE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 #: Binary ops quantized when both inputs are activations (residual Add, squeeze-excite Mul).
 BINARY_OPS = ("Add", "Mul")
 #: Ops ORT runs as their own integer kernel when DQ -> op -> Q (each needs input and output ranges).
-CPU_OWN_RANGE_OPS = ("GlobalAveragePool", "AveragePool", "Sigmoid", "LeakyRelu", "HardSwish")
+#: (HardSwish is lowered to a requantization and a QLinearMul, HardSigmoid folded into its producer's
+#: Q: :mod:`quantkit.qdq.cpu`.)
+CPU_OWN_RANGE_OPS = ("GlobalAveragePool", "AveragePool", "Sigmoid", "LeakyRelu", "HardSwish", "HardSigmoid")
 #: Ops ORT folds into the producer's Q (ReLU/Clip) or runs on uint8 with the input's scale.
 CPU_PASS_THROUGH_OPS = ("Relu", "Clip", "MaxPool", "Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose")
 CPU_OPS = COMPUTE_OPS + BINARY_OPS + CPU_OWN_RANGE_OPS + CPU_PASS_THROUGH_OPS
