@@ -30,7 +30,7 @@ test-fast: $(STAMP)
 ## make bench: build every reference model, then regenerate docs/benchmarks.md (FP32 vs INT8, calibration, build)
 bench: $(STAMP)
 	for config in configs/*.yaml; do $(BIN)/quantkit -q --workdir $(WORKDIR) run --stop-after build-engine $$config || exit 1; done
-	$(BIN)/python scripts/bench_all.py --workdir $(WORKDIR)
+	$(BIN)/python scripts/bench_all.py --workdir $(WORKDIR) --duration 1 --repeats 7
 	$(BIN)/python scripts/bench_build.py --workdir $(WORKDIR) --docs
 	$(BIN)/python scripts/bench_calib.py --workdir $(WORKDIR)/bench-calib
 	$(BIN)/python scripts/bench_sensitivity.py --workdir $(WORKDIR)

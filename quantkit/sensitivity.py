@@ -166,7 +166,8 @@ def auto_fallback(cfg: Config, ws: ModelWorkspace, console: Console, *, exclude:
     result = run_sensitivity(cfg, ws, console, exclude=exclude, allow_stale=allow_stale)
     if not result.met:
         using = (f"building with those {len(result.chosen)} node(s) in float" if result.chosen else
-                 f"building without automatic fallback (no set within the cap raised {result.metric})")
+                 f"building without automatic fallback (no set within the cap raised {result.metric} by more "
+                 "than the evaluation data's noise)")
         console.warn(f"{unmet_message(result)}; {using}")
     return result
 
@@ -265,7 +266,8 @@ def _problem(cfg: Config, ws: ModelWorkspace, exclude: Sequence[str], allow_stal
 
 def _search(cfg: Config, ws: ModelWorkspace, console: Console, exclude: Sequence[str],
             allow_stale: bool) -> SensitivityResult:
-    from quantkit.qdq.fallback_search import OutputScorer, adjacent_nodes, check_metric, search_fallback
+    from quantkit.qdq.fallback_search import (OutputScorer, adjacent_nodes, check_metric, search_fallback,
+                                              significant_gain)
     from quantkit.qdq.sensitivity_metrics import local_errors, rank_by_local_error
 
     start = time.perf_counter()
@@ -293,7 +295,8 @@ def _search(cfg: Config, ws: ModelWorkspace, console: Console, exclude: Sequence
 
         search = search_fallback(score_set, ranked, metric=settings.metric, target=settings.target, cap=cap,
                                  candidates=settings.candidates, on_step=console.detail,
-                                 neighbours=adjacent_nodes(problem.model, problem.searchable))
+                                 neighbours=adjacent_nodes(problem.model, problem.searchable),
+                                 min_gain=significant_gain(settings.metric, _count(select)))
     held = None
     if holdout:
         held_scorer = OutputScorer(problem.model, holdout, THREADS)

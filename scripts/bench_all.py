@@ -46,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.info(f"[bench] {path}")
         try:
             cfg = load_config(path)
+            if args.repeats is not None:  # more, shorter paired repeats survive a noisy host better
+                cfg = cfg.model_copy(update={"bench": cfg.bench.model_copy(update={"repeats": args.repeats})})
             result = run_bench(cfg, ModelWorkspace(args.workdir, cfg.name), console,
                                duration=args.duration, threads=args.threads)
         except GateFailedError as exc:
@@ -76,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md", help="document to update")
     parser.add_argument("--duration", type=float, help="override bench.duration_s (seconds per run)")
     parser.add_argument("--threads", type=int, help="override bench.threads")
+    parser.add_argument("--repeats", type=int, help="override bench.repeats (ABBA repeats per batch size)")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     return parser
 

@@ -9,7 +9,8 @@ import pytest
 from quantkit.qdq import placement
 from quantkit.qdq import testing as tiny
 from quantkit.qdq.cpu import write_cpu_qdq
-from quantkit.qdq.fallback_search import EvalBatch, OutputScorer, Score, adjacent_nodes, search_fallback
+from quantkit.qdq.fallback_search import (EvalBatch, OutputScorer, Score, adjacent_nodes, search_fallback,
+                                          significant_gain)
 from quantkit.qdq.sensitivity_metrics import local_errors, rank_by_local_error
 
 
@@ -72,6 +73,29 @@ def test_unreachable_budget_never_keeps_nodes_that_do_not_raise_the_budget_metri
     result = search_fallback(score, ["a", "b"], metric="top1_agreement", target=0.95, cap=2, candidates=2)
     assert not result.met and result.chosen == []
     assert result.final.top1_agreement == 0.8
+
+
+def test_unreachable_budget_drops_a_set_whose_gain_is_within_the_noise():
+    # agreement on 64 samples: the best set flips one sample back (+1/64), less than min_gain 2/64
+    def score(float_set):
+        return Score(0.99 + 0.001 * len(float_set), 0.875 + (1 / 64 if float_set else 0.0), 30.0)
+
+    result = search_fallback(score, ["a", "b"], metric="top1_agreement", target=0.95, cap=2, candidates=2,
+                             min_gain=significant_gain("top1_agreement", 64))
+    assert not result.met and result.chosen == [] and result.final.top1_agreement == 0.875
+    assert result.steps[-1]["action"] == "keep_none"
+    # two samples more is kept
+    def better(float_set):
+        return Score(0.99, 0.875 + (2 / 64) * len(float_set) / 2, 30.0)
+
+    kept = search_fallback(better, ["a", "b"], metric="top1_agreement", target=0.95, cap=2, candidates=2,
+                           min_gain=significant_gain("top1_agreement", 64))
+    assert kept.chosen and kept.final.top1_agreement == pytest.approx(0.875 + 2 / 64)
+
+
+def test_significant_gain_is_two_samples_for_agreement_and_any_rise_for_cosine():
+    assert significant_gain("top1_agreement", 64) == pytest.approx(2 / 64)
+    assert significant_gain("cosine", 64) == 0.0
 
 
 def test_refused_candidates_are_skipped():
