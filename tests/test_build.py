@@ -269,6 +269,16 @@ def test_guard_scores_regions_at_the_slowest_batch_size(tmp_path, no_freshness_c
     assert set(result.timing.by_batch) == {8, 1}
 
 
+def test_near_tied_regions_are_decided_by_the_geometric_mean_over_batch_sizes():
+    """MobileNetV3 as measured: both prefixes ~1.12x at batch 1 (noise decides), only one 1.32x at batch 32."""
+    # speedups per candidate: [batch 32, batch 1]
+    speedups = [[1.32, 1.12], [1.18, 1.13], [0.95, 0.90]]
+    scores = [min(row) for row in speedups]
+    assert ort_build._best_candidate(scores, speedups) == 0
+    # outside the tie band the slowest batch still rules, however good the other batch size is
+    assert ort_build._best_candidate([1.00, 1.20], [[2.0, 1.00], [1.3, 1.20]]) == 1
+
+
 def test_rebuild_reuses_the_guard_choice_instead_of_searching(tmp_path, no_freshness_check, monkeypatch):
     monkeypatch.setattr(ort_build, "compare", lambda a, b, feeds, budget_s, **_: (10.0, 11.0, 10 / 11, 3))
     monkeypatch.setattr(ort_build, "compare_many", _many(10.0, 11.0, 5.0))
