@@ -232,13 +232,16 @@ class _Problem:
     searchable: list[str]  # quantized nodes with their own Q/DQ (pass-through ops follow their input)
     op_types: dict[str, str]
 
-    def with_float(self, float_set: Sequence[str]):
-        """The CPU flavour with ``float_set`` kept in float as well (a ModelProto, in memory)."""
+    def with_float(self, float_set: Sequence[str], pad_channels: bool = True):
+        """The CPU flavour with ``float_set`` kept in float as well (a ModelProto, in memory).
+
+        ``pad_channels=False`` for the local pass: its probe compares intermediate tensors with FP32's.
+        """
         from quantkit.qdq.cpu import write_cpu_qdq
 
         keep = set(float_set)
         return write_cpu_qdq(self.model, self.ranges, [n for n in self.quantized if n not in keep],
-                             self.excluded + list(float_set))
+                             self.excluded + list(float_set), pad_channels=pad_channels)
 
 
 def _problem(cfg: Config, ws: ModelWorkspace, exclude: Sequence[str], allow_stale: bool) -> _Problem:
@@ -283,7 +286,8 @@ def _search(cfg: Config, ws: ModelWorkspace, console: Console, exclude: Sequence
     check_metric(settings.metric, scorer)
     all_int8 = problem.with_float([])
     tick = time.perf_counter()
-    errors = local_errors(problem.model, all_int8, problem.searchable, _rebatch(select, LOCAL_BATCH, cfg), THREADS)
+    errors = local_errors(problem.model, problem.with_float([], pad_channels=False), problem.searchable,
+                          _rebatch(select, LOCAL_BATCH, cfg), THREADS)
     console.info(f"sensitivity: local error of {len(errors)} nodes in {time.perf_counter() - tick:.1f} s")
     measured = {e.name for e in errors}
     ranked = rank_by_local_error(errors) + [n for n in problem.searchable if n not in measured]  # unmeasured last

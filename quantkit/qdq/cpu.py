@@ -28,6 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from quantkit.qdq import TensorRange, ortquant
+from quantkit.qdq.channels import pad_depthwise_channels
 from quantkit.qdq.graph import (DEQUANTIZE, QUANTIZE, consumers, float_inputs_for, producers, remove_unused,
                                 shield_float_nodes)
 from quantkit.qdq.placement import CPU, GraphInfo
@@ -48,7 +49,7 @@ _ZERO_NAMES = ("quantkit_zero_u8", "quantkit_one", "quantkit_zero")
 
 
 def write_cpu_qdq(model: onnx.ModelProto, ranges: Mapping[str, TensorRange], nodes: Sequence[str],
-                  float_nodes: Iterable[str] = ()) -> onnx.ModelProto:
+                  float_nodes: Iterable[str] = (), pad_channels: bool = True) -> onnx.ModelProto:
     """The CPU flavour of ``model``.
 
     Args:
@@ -57,11 +58,16 @@ def write_cpu_qdq(model: onnx.ModelProto, ranges: Mapping[str, TensorRange], nod
         nodes: the nodes to quantize (placement already applied: exclusions, automatic fallbacks).
         float_nodes: nodes kept in float on purpose; they read float tensors where that costs
             no fusion (see :func:`quantkit.qdq.graph.float_inputs_for`), and are never lowered or folded.
+        pad_channels: pad depthwise channel counts to a multiple of 16 where that is exact
+            (:mod:`quantkit.qdq.channels`); False keeps every tensor's FP32 shape (probes that compare
+            intermediate tensors with FP32).
 
     Returns:
         The Q/DQ model.
     """
     float_nodes = list(float_nodes)
+    if pad_channels:
+        model, _ = pad_depthwise_channels(model)
     bounds = hardswish_aware_bounds(model, {name: r.cpu_bounds() for name, r in ranges.items()}, nodes)
     quantized = ortquant.quantize(model, nodes, bounds, CPU)
     float_inputs_for(quantized, float_nodes)

@@ -103,6 +103,38 @@ def squeeze_excite_cnn(seed: int = 0) -> onnx.ModelProto:
                   [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 4, 8, 8])], inits)
 
 
+def depthwise_block(channels: int = 12, residual: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """input[N,8,8,8] -> expand 1x1 (8 -> channels) -> Relu -> depthwise 3x3 -> HardSwish -> squeeze-excite
+    (gap -> fc1 -> Relu -> fc2 -> HardSigmoid -> Mul) -> project 1x1 (channels -> 8) [-> Add(input)] -> out:
+    an inverted-residual block whose depthwise width is not a multiple of 16."""
+    rng = np.random.default_rng(seed)
+    c = channels
+    inits = [
+        _init("we", rng.normal(0, 0.4, (c, 8, 1, 1))), _init("be", rng.normal(0, 0.2, c)),
+        _init("wd", rng.normal(0, 0.4, (c, 1, 3, 3))), _init("bd", rng.normal(0, 0.2, c)),
+        _init("wf1", rng.normal(0, 0.5, (4, c, 1, 1))), _init("bf1", rng.normal(0, 0.2, 4)),
+        _init("wf2", rng.normal(0, 0.8, (c, 4, 1, 1))), _init("bf2", rng.normal(0, 0.5, c)),
+        _init("wp", rng.normal(0, 0.3, (8, c, 1, 1))), _init("bp", rng.normal(0, 0.1, 8)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["input", "we", "be"], ["e"], name="expand"),
+        helper.make_node("Relu", ["e"], ["er"], name="expand_relu"),
+        helper.make_node("Conv", ["er", "wd", "bd"], ["d"], name="depthwise", group=c, pads=[1, 1, 1, 1]),
+        helper.make_node("HardSwish", ["d"], ["dh"], name="dw_hswish"),
+        helper.make_node("GlobalAveragePool", ["dh"], ["g"], name="se_gap"),
+        helper.make_node("Conv", ["g", "wf1", "bf1"], ["f1"], name="se_fc1"),
+        helper.make_node("Relu", ["f1"], ["r1"], name="se_relu"),
+        helper.make_node("Conv", ["r1", "wf2", "bf2"], ["f2"], name="se_fc2"),
+        helper.make_node("HardSigmoid", ["f2"], ["gate"], name="se_gate", alpha=1.0 / 6.0),
+        helper.make_node("Mul", ["gate", "dh"], ["scaled"], name="se_mul"),
+        helper.make_node("Conv", ["scaled", "wp", "bp"], ["p" if residual else "out"], name="project"),
+    ]
+    if residual:
+        nodes.append(helper.make_node("Add", ["p", "input"], ["out"], name="add"))
+    return _model(nodes, [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 8, 8, 8])],
+                  [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 8, 8, 8])], inits)
+
+
 def matmul_mlp(seed: int = 0) -> onnx.ModelProto:
     """x[N,6,16] -> MatMul(W1[16,32]) + b1 -> Relu -> MatMul(W2[32,8]) -> residual-free output y[N,6,8]."""
     rng = np.random.default_rng(seed)
