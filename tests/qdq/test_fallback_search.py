@@ -132,13 +132,18 @@ def test_adjacent_nodes_walk_through_unmeasured_ops():
     assert "conv1" not in near["conv3"]  # two unmeasured hops away at least
 
 
-def test_local_errors_on_a_residual_cnn(residual):
-    model, ranges = residual
+def _all_int8_local_errors(model, ranges):
+    """local_errors of every reported node of the all-INT8 CPU flavour, as a list and by name."""
     nodes = placement.select_nodes(placement.quantizable_nodes(model), placement.CPU)
     reported = [n.name for n in placement.quantizable_nodes(model) if n.reported]
     qmodel = write_cpu_qdq(model, ranges, nodes)
     errors = local_errors(model, qmodel, reported, [tiny.random_feeds(model, 4, seed) for seed in (7, 8)])
-    by_name = {e.name: e for e in errors}
+    return errors, {e.name: e for e in errors}
+
+
+def test_local_errors_on_a_residual_cnn(residual):
+    model, ranges = residual
+    errors, by_name = _all_int8_local_errors(model, ranges)
     assert set(by_name) >= {"conv1", "conv2", "conv3", "add", "gap", "fc"}
     first = by_name["conv1"]
     # the first node's error is all its own: input Q/DQ, weights, output rounding
@@ -163,11 +168,7 @@ def test_local_errors_see_through_the_folded_squeeze_excite_gate(squeeze_excite)
     """The CPU flavour folds the HardSigmoid into se_fc2's requantization: se_fc2's output Q now holds
     the gate, not se_fc2's output rounded; every node must still be measured against its own tensor."""
     model, ranges = squeeze_excite
-    nodes = placement.select_nodes(placement.quantizable_nodes(model), placement.CPU)
-    reported = [n.name for n in placement.quantizable_nodes(model) if n.reported]
-    qmodel = write_cpu_qdq(model, ranges, nodes)
-    errors = local_errors(model, qmodel, reported, [tiny.random_feeds(model, 4, seed) for seed in (7, 8)])
-    by_name = {e.name: e for e in errors}
+    errors, by_name = _all_int8_local_errors(model, ranges)
     assert {"se_fc2", "se_mul", "conv3"} <= set(by_name)
     assert by_name["se_fc2"].snr_db > 25 and by_name["se_fc2"].cosine > 0.99  # not compared with the gate
     assert by_name["se_mul"].snr_db > 20 and by_name["se_mul"].cosine > 0.99  # reads the folded gate
