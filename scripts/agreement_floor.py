@@ -66,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  output SNR {snr:5.1f} dB: top-1 agreement mean {np.mean(agreement):.3f}, "
               f"10th percentile {np.percentile(agreement, 10):.3f}")
     if args.decompose:
-        decompose(model, ws, batches, logits)
+        from quantkit.errors import QuantkitError
+
+        try:
+            decompose(model, ws, batches, logits)
+        except QuantkitError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
     return 0
 
 

@@ -71,6 +71,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", nargs="*", help="config files (default: configs/*.yaml)")
@@ -78,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md", help="document to update")
     parser.add_argument("--duration", type=float, help="override bench.duration_s (seconds per run)")
     parser.add_argument("--threads", type=int, help="override bench.threads")
-    parser.add_argument("--repeats", type=int, help="override bench.repeats (ABBA repeats per batch size)")
+    parser.add_argument("--repeats", type=_positive_int, help="override bench.repeats (ABBA repeats per batch size)")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     return parser
 

@@ -49,3 +49,10 @@ def test_main_without_artifacts_leaves_the_document_alone(bench_all, bench_setup
     doc.write_text("unchanged\n")
     assert bench_all.main(["-q", "--workdir", str(ws.root.parent), "--doc", str(doc), str(cfg.source_path)]) == 1
     assert doc.read_text() == "unchanged\n"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "x"])
+def test_bad_repeats_is_a_usage_error(bench_all, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_all.main(["--repeats", value])
+    assert exit_info.value.code == 2 and "--repeats" in capsys.readouterr().err
